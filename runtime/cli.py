@@ -1,0 +1,153 @@
+"""The ``specstore`` command line: one parser per command, handlers imported lazily.
+
+User mistakes (a SpecstoreError) print one line to stderr and exit with status 2; the build
+command imports the pipelines (and Beam) only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specstore.runtime.errors import SpecstoreError
+
+METHODS = ("ar", "pld", "rest", "dresd", "respec")
+
+
+def _add_store(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, metavar="DIR", help="store directory (a LanceDB database)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specstore",
+        description="Versioned retrieval datastores and retrieval-based speculative decoding (REST, DReSD, ReSpec).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "build",
+        help="build a new version of a datastore from corpora (Apache Beam pipeline)",
+        description="Read corpora, tokenise (and optionally regenerate responses with the model), embed every "
+        "token with the model's last hidden layer, fit the normaliser (z-score, PCA, L2), and commit the tokens "
+        "table, suffix array, normaliser and manifest as one new version. Unknown options go to Beam "
+        "(e.g. --direct_running_mode=multi_processing, --direct_num_workers=2).",
+    )
+    _add_store(p)
+    p.add_argument("--name", required=True, help="datastore name (one per domain), e.g. code or chat")
+    p.add_argument("--corpus", required=True, nargs="+", metavar="PATH", help="JSONL/text files or a source-code directory; .gz is read transparently")
+    p.add_argument("--format", default="auto", choices=["auto", "chat-jsonl", "instruct-jsonl", "text", "code-dir"], help="corpus format (default: detect per path)")
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--regenerate", action="store_true", help="have the model write the responses itself (in-domain datastore)")
+    p.add_argument("--max-docs", type=int, default=None, metavar="N", help="use only the first N records (quick builds)")
+    p.add_argument("--max-doc-tokens", type=int, default=2048, metavar="N", help="reject chat/instruction records longer than N tokens; text and code are split into N-token chunks (default 2048)")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="response length when regenerating (default 256)")
+    p.add_argument("--pca-dims", type=int, default=64, metavar="D", help="embedding dimensions after PCA (default 64)")
+    p.add_argument("--continuation-length", type=int, default=10, metavar="L", help="stored next tokens per position (default 10)")
+    p.add_argument("--batch-tokens", type=int, default=4096, metavar="N", help="tokens per embedding batch (default 4096)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype for embedding (default float32)")
+    p.add_argument("--tag", default=None, help="tag the new version (e.g. prod, 2026-11-29)")
+    p.add_argument("--runner", default="DirectRunner", help="Beam runner (default DirectRunner)")
+    p.set_defaults(handler=_cmd_build, accepts_extra=True)
+
+    p = sub.add_parser("versions", help="list the versions of a datastore", description="List versions with tags, counts and creation time.")
+    _add_store(p)
+    p.add_argument("--name", required=True)
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.set_defaults(handler=_cmd_versions)
+
+    p = sub.add_parser("tag", help="tag a datastore version", description="Point TAG at NAME@VERSION (moving the tag if it exists).")
+    _add_store(p)
+    p.add_argument("--ref", required=True, metavar="NAME@VERSION", help="NAME, NAME@VERSION or NAME@TAG")
+    p.add_argument("--tag", required=True)
+    p.set_defaults(handler=_cmd_tag)
+
+    p = sub.add_parser(
+        "generate",
+        help="decode a prompt with a drafting method",
+        description="Send PROMPT as a user message through the model's chat template and decode it, streaming text as it is accepted.",
+    )
+    _add_store(p)
+    p.add_argument("--datastore", default=None, metavar="REF", help="NAME, NAME@VERSION or NAME@TAG (needed by rest, dresd, respec)")
+    p.add_argument("--method", default="rest", choices=METHODS)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(handler=_cmd_generate)
+    return parser
+
+
+def _cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.pipelines.build import run_from_args  # imports Beam only here
+
+    return run_from_args(args, extra)
+
+
+def _cmd_versions(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.store import Store, validate_name
+
+    records = Store(args.store).versions(validate_name(args.name))
+    rows = [
+        {
+            "version": r.version,
+            "tags": list(r.tags),
+            "created_at": r.created_at,
+            "num_documents": r.manifest.num_documents,
+            "num_tokens": r.manifest.num_tokens,
+            "num_rejected": r.manifest.num_rejected,
+            "build_id": r.build_id,
+            "model": r.manifest.model.model_id,
+            "regenerated": r.manifest.regenerated,
+        }
+        for r in records
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no versions of '{args.name}' in {args.store}")
+        return 0
+    print(f"{'version':>7}  {'tags':<20} {'documents':>9} {'tokens':>10} {'rejected':>8}  created_at")
+    for r in rows:
+        print(f"{r['version']:>7}  {','.join(r['tags']) or '-':<20} {r['num_documents']:>9} {r['num_tokens']:>10} {r['num_rejected']:>8}  {r['created_at']}")
+    return 0
+
+
+def _cmd_tag(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.store import Store
+
+    record = Store(args.store).set_tag(args.ref, args.tag)
+    print(f"{record.name}@{args.tag} -> version {record.version}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.cli_generate import run_generate
+
+    return run_generate(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.handler(args, extra) or 0)
+    except SpecstoreError as exc:
+        print(f"specstore: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specstore: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The normaliser: hidden state -> per-dimension z-score -> PCA projection -> L2 unit vector.
+
+Owns *applying* the transform (identically to datastore rows and to live queries) and its
+persistence. Fitting it from corpus statistics is the pipelines' job (pipelines/normalise.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+NORMALISER_FILE = "normaliser.npz"
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """``mean``, ``std``: [H]; ``components``: [D, H] (rows are principal axes); ``pca_mean``: [H]."""
+
+    mean: np.ndarray
+    std: np.ndarray
+    components: np.ndarray
+    pca_mean: np.ndarray
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.mean.shape[0])
+
+    @property
+    def dims(self) -> int:
+        return int(self.components.shape[0])
+
+    def apply(self, hidden: np.ndarray) -> np.ndarray:
+        """[..., H] float -> [..., D] float32, unit L2 norm (computed in float64 for stability)."""
+        h = np.asarray(hidden, dtype=np.float64)
+        if h.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden size {h.shape[-1]} does not match normaliser's {self.hidden_size}")
+        z = (h - self.mean) / np.maximum(self.std, _EPS)
+        p = (z - self.pca_mean) @ self.components.T
+        norm = np.linalg.norm(p, axis=-1, keepdims=True)
+        return (p / np.maximum(norm, _EPS)).astype(np.float32)
+
+    def apply_torch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Same transform on a torch tensor on any device: [..., H] -> [..., D] float32."""
+        dev = hidden.device
+        t = self._tensors.get(dev)
+        if t is None:
+            t = tuple(
+                torch.as_tensor(a, dtype=torch.float32, device=dev)
+                for a in (self.mean, np.maximum(self.std, _EPS), self.components, self.pca_mean)
+            )
+            self._tensors[dev] = t
+        mean, std, comps, pca_mean = t
+        p = ((hidden.float() - mean) / std - pca_mean) @ comps.T
+        return p / p.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_tensors", {})
+
+    def save(self, path: Path) -> None:
+        np.savez(path, mean=self.mean, std=self.std, components=self.components, pca_mean=self.pca_mean)
+
+    @classmethod
+    def load(cls, path: Path) -> Normaliser:
+        with np.load(path) as data:
+            return cls(
+                mean=data["mean"].astype(np.float64),
+                std=data["std"].astype(np.float64),
+                components=data["components"].astype(np.float64),
+                pca_mean=data["pca_mean"].astype(np.float64),
+            )

@@ -1,0 +1,173 @@
+"""Suffix array over a datastore's token stream: build (native, pydivsufsort) and search.
+
+Owns the stream layout (documents joined by a separator so that no match crosses a document
+boundary), construction, persistence by memory map, n-gram lookup and REST's longest-suffix
+match. The pipelines call ``build_suffix_array``; the runtime searches. Does not own how
+continuations become draft trees (drafters/rest.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specstore.schemas.tables import PAD_TOKEN
+
+SEPARATOR = PAD_TOKEN  # never a real token id, so no pattern of real tokens can match across it
+STREAM_FILE = "stream.npy"
+SA_FILE = "suffix_array.npy"
+
+
+def join_documents(documents: Iterable[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate documents, each followed by SEPARATOR.
+
+    Returns ``(stream int32 [num_tokens + num_docs], starts int64 [num_docs])`` where
+    ``starts[d]`` is the stream offset of document d's first token.
+    """
+    parts, starts, offset = [], [], 0
+    for doc in documents:
+        arr = np.asarray(doc, dtype=np.int32)
+        if arr.size and arr.min() < 0:
+            raise ValueError("token ids must be non-negative")
+        starts.append(offset)
+        parts.append(arr)
+        parts.append(np.array([SEPARATOR], dtype=np.int32))
+        offset += arr.size + 1
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return stream, np.asarray(starts, dtype=np.int64)
+
+
+def build_suffix_array(stream: np.ndarray) -> np.ndarray:
+    """Suffix array of ``stream`` (ids >= -1), int32 when it fits, else int64.
+
+    Sorted order equals lexicographic order of the suffixes as integer sequences, a shorter
+    suffix before a longer one that it prefixes. Built by divsufsort (C) on ids shifted by one.
+    """
+    import pydivsufsort
+
+    stream = np.asarray(stream)
+    if stream.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    shifted = (stream.astype(np.int64) + 1).astype(np.uint32)
+    sa = pydivsufsort.divsufsort(shifted)
+    dtype = np.int32 if stream.size < 2**31 - 1 else np.int64
+    return np.asarray(sa, dtype=dtype)
+
+
+def save_suffix_index(folder: Path, stream: np.ndarray, sa: np.ndarray) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / STREAM_FILE, np.asarray(stream, dtype=np.int32))
+    np.save(folder / SA_FILE, sa)
+    return [STREAM_FILE, SA_FILE]
+
+
+@dataclass(slots=True)
+class Match:
+    """An SA interval ``[lo, hi)`` whose suffixes all start with the ``length`` matched tokens."""
+
+    length: int
+    lo: int
+    hi: int
+
+    @property
+    def count(self) -> int:
+        return self.hi - self.lo
+
+
+class SuffixIndex:
+    """Search over one stream and its suffix array (arrays may be memory maps)."""
+
+    def __init__(self, stream: np.ndarray, sa: np.ndarray):
+        if len(stream) != len(sa):
+            raise ValueError(f"stream has {len(stream)} entries but suffix array {len(sa)}")
+        self.stream = stream
+        self.sa = sa
+        self._n = len(stream)
+        # first token of every suffix, in SA order: lets the first step be one vectorised searchsorted
+        self._first = np.asarray(stream)[np.asarray(sa)] if self._n else np.zeros(0, dtype=np.int32)
+
+    @classmethod
+    def load(cls, folder: Path, *, mmap: bool = True) -> SuffixIndex:
+        mode = "r" if mmap else None
+        return cls(np.load(folder / STREAM_FILE, mmap_mode=mode), np.load(folder / SA_FILE, mmap_mode=mode))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _token_at(self, rank: int, depth: int) -> int:
+        pos = int(self.sa[rank]) + depth
+        return int(self.stream[pos]) if pos < self._n else -2  # past the end sorts first
+
+    def _narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
+        """Within [lo, hi) (suffixes sharing ``depth`` tokens), the sub-interval whose next token is ``token``."""
+        a, b = lo, hi
+        while a < b:  # first rank with token_at >= token
+            mid = (a + b) // 2
+            if self._token_at(mid, depth) < token:
+                a = mid + 1
+            else:
+                b = mid
+        start, b = a, hi
+        while a < b:  # first rank with token_at > token
+            mid = (a + b) // 2
+            if self._token_at(mid, depth) <= token:
+                a = mid + 1
+            else:
+                b = mid
+        return start, a
+
+    def find(self, pattern: Sequence[int]) -> Match:
+        """The SA interval of suffixes starting with ``pattern`` (empty interval if absent)."""
+        pattern = [int(t) for t in pattern]
+        if not pattern or self._n == 0:
+            return Match(0, 0, self._n)
+        lo = int(np.searchsorted(self._first, pattern[0], side="left"))
+        hi = int(np.searchsorted(self._first, pattern[0], side="right"))
+        for depth in range(1, len(pattern)):
+            if lo >= hi:
+                break
+            lo, hi = self._narrow(lo, hi, depth, pattern[depth])
+        return Match(len(pattern), lo, hi)
+
+    def positions(self, pattern: Sequence[int]) -> np.ndarray:
+        """Sorted stream offsets where ``pattern`` occurs."""
+        m = self.find(pattern)
+        return np.sort(np.asarray(self.sa[m.lo : m.hi], dtype=np.int64))
+
+    def longest_suffix_match(self, context: Sequence[int], max_len: int = 16, min_len: int = 2) -> Match | None:
+        """The longest suffix of ``context`` (between min_len and max_len tokens) found in the stream.
+
+        Occurrence is monotone in length (a longer suffix occurs only where a shorter one does),
+        so the longest length is found by binary search over lengths.
+        """
+        max_len = min(max_len, len(context))
+        if max_len < min_len:
+            return None
+        best = None
+        lo_len, hi_len = min_len, max_len
+        while lo_len <= hi_len:
+            mid = (lo_len + hi_len) // 2
+            m = self.find(context[-mid:])
+            if m.count > 0:
+                best, lo_len = m, mid + 1
+            else:
+                hi_len = mid - 1
+        return best
+
+    def continuations(self, match: Match, length: int, max_matches: int | None = None) -> np.ndarray:
+        """Tokens following each occurrence of a match: int32 ``[num_matches, length]``, padded with
+        SEPARATOR from the end of the occurrence's document on. Occurrences are taken in SA order."""
+        hi = match.hi if max_matches is None else min(match.hi, match.lo + max_matches)
+        starts = np.asarray(self.sa[match.lo : hi], dtype=np.int64) + match.length
+        if starts.size == 0 or length <= 0:
+            return np.zeros((starts.size, max(length, 0)), dtype=np.int32)
+        idx = starts[:, None] + np.arange(length)[None, :]
+        inside = idx < self._n
+        out = np.asarray(self.stream)[np.minimum(idx, self._n - 1)].astype(np.int32)
+        out[~inside] = SEPARATOR
+        ended = np.cumsum(out == SEPARATOR, axis=1) > 0  # everything from the first separator on
+        out[ended] = SEPARATOR
+        return out

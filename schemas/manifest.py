@@ -1,0 +1,76 @@
+"""The datastore manifest: what one committed version of a datastore is made of.
+
+Owns the pydantic model written by the pipelines at commit time and validated by the
+runtime on open. Does not own how versions are stored (runtime/store.py) or built
+(pipelines/).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MANIFEST_FORMAT = 1
+
+
+class SourceInfo(BaseModel):
+    """One corpus input of a build."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    format: str
+    sha256: str = Field(description="content hash of the file (or of the sorted file hashes of a directory)")
+    num_records: int = 0
+    num_rejected: int = 0
+
+
+class FileInfo(BaseModel):
+    """One file of a version, with its checksum, relative to the version's file folder."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sha256: str
+    num_bytes: int
+
+
+class ModelInfo(BaseModel):
+    """The target model a datastore was built with; the runtime refuses any other."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_id: str
+    revision: str = Field(description="hash of the model's config and weights")
+    tokenizer_hash: str
+    vocab_size: int
+    hidden_size: int
+    hidden_layer: int = Field(-1, description="index into hidden_states; -1 = last layer (after final norm)")
+
+
+class Manifest(BaseModel):
+    """Everything a reader needs to trust and use one datastore version."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format: int = MANIFEST_FORMAT
+    name: str
+    version: int = Field(0, description="assigned at commit; 0 before")
+    build_id: str
+    created_at: datetime
+    pipeline_version: str
+    model: ModelInfo
+    pca_dims: int
+    continuation_length: int
+    num_documents: int
+    num_tokens: int
+    num_rejected: int
+    regenerated: bool = False
+    sources: list[SourceInfo]
+    tokens_table: str = Field(description="LanceDB table name holding the tokens rows of this version")
+    files: dict[str, FileInfo] = Field(default_factory=dict, description="file name -> checksum")
+    settings: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    parent_version: int | None = None
+    domain_centroid: list[float] | None = Field(
+        None, description="mean of the version's reduced embeddings (for domain routing)"
+    )
