@@ -1,0 +1,1 @@
+"""Drafters: one module each, all behind the ``Drafter`` protocol in base.py."""

@@ -1,0 +1,66 @@
+"""The drafter contract: ``propose(state) -> DraftTree`` and ``observe(state, tree, result)``.
+
+An empty tree means "decode one token normally". Drafters see the decode state read-only and
+never touch the model's cache, masks or positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specstore.runtime.tree import DraftTree
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """What a drafter may look at.
+
+    ``tokens``: prompt + generated ids; ``tokens[-1]`` is the pending token (committed, but not
+    yet run through the target). ``last_hidden``: the target's last hidden layer [H] at
+    ``tokens[-2]``, the last token it processed (the DReSD query). ``last_logits``: [V], the
+    target's logits at that same position (they chose ``tokens[-1]`` under greedy decoding).
+    ``budget``: how many draft tokens along one path can still be used (new-token limit and
+    context limit both applied).
+    """
+
+    tokens: list[int]
+    num_prompt: int
+    last_hidden: torch.Tensor | None = None
+    last_logits: torch.Tensor | None = None
+    budget: int = 0
+    step: int = 0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    """Outcome of one verification: the accepted path (node indices into the tree), the
+    accepted draft tokens, and the target's own next token after them (the bonus)."""
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    bonus: int
+    num_drafted: int
+    # per accepted node: True where a relaxed (lossy) rule accepted it (ReSpec); empty = all strict
+    relaxed: list[bool] = field(default_factory=list)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+    lossless: bool
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Start a new request."""
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        """Draft tokens to follow ``state.tokens[-1]``; an empty tree for plain decoding."""
+
+    def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
+        """Feedback after verification (state already includes the newly committed tokens)."""
