@@ -66,10 +66,12 @@ class Ref:
 
     @classmethod
     def parse(cls, text: str) -> Ref:
-        name, _, selector = text.strip().partition("@")
+        name, at, selector = text.strip().partition("@")
         validate_name(name)
-        if not selector:
+        if not at:
             return cls(name)
+        if not selector:
+            raise SpecstoreError(f"invalid reference {text!r}: nothing after '@' (use NAME, NAME@VERSION or NAME@TAG)")
         if selector.isdigit():
             return cls(name, version=int(selector))
         return cls(name, tag=validate_tag(selector))
@@ -143,7 +145,7 @@ class Store:
         return self._db.create_table(table, schema=schema, exist_ok=True)
 
     def _rows(self, table: str, schema: pa.Schema) -> list[dict]:
-        if table not in self._db.table_names():
+        if not (self.root / f"{table}.lance").is_dir():
             return []
         return self._db.open_table(table).to_arrow().to_pylist()
 

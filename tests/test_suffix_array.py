@@ -1,0 +1,98 @@
+"""Suffix array construction and search against brute force."""
+
+import numpy as np
+import pytest
+
+from specstore.runtime.suffix_array import (
+    SEPARATOR,
+    SuffixIndex,
+    build_suffix_array,
+    join_documents,
+    save_suffix_index,
+)
+
+
+def brute_sa(stream: np.ndarray) -> np.ndarray:
+    return np.array(sorted(range(len(stream)), key=lambda i: stream[i:].tolist()), dtype=np.int64)
+
+
+def brute_positions(stream: np.ndarray, pattern: list[int]) -> list[int]:
+    k = len(pattern)
+    return [i for i in range(len(stream) - k + 1) if stream[i : i + k].tolist() == pattern]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_suffix_array_equals_brute_force_sort(seed):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 1 + seed * 3, size=rng.integers(0, 60)) for _ in range(rng.integers(1, 8))]
+    stream, starts = join_documents(docs)
+    sa = build_suffix_array(stream)
+    assert sa.dtype == np.int32
+    np.testing.assert_array_equal(sa, brute_sa(stream))
+    assert len(starts) == len(docs)
+    for d, doc in zip(starts, docs, strict=True):
+        np.testing.assert_array_equal(stream[d : d + len(doc)], doc)
+        assert stream[d + len(doc)] == SEPARATOR
+
+
+def test_every_ngram_lookup_matches_brute_force_scan(tmp_path):
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(0, 5, size=n) for n in (30, 1, 0, 45, 12)]
+    stream, _ = join_documents(docs)
+    save_suffix_index(tmp_path, stream, build_suffix_array(stream))
+    index = SuffixIndex.load(tmp_path)  # memory-mapped
+    assert isinstance(index.sa, np.memmap)
+    checked = 0
+    for doc in docs:
+        for n in range(1, 6):
+            for i in range(len(doc) - n + 1):
+                pattern = doc[i : i + n].tolist()
+                assert index.positions(pattern).tolist() == brute_positions(stream, pattern)
+                checked += 1
+    assert checked > 300
+    # patterns that do not occur, incl. one that only exists across a document boundary
+    assert index.positions([99]).size == 0
+    cross = docs[0][-2:].tolist() + docs[1][:1].tolist()
+    assert index.positions(cross).tolist() == brute_positions(stream, cross)
+    for pos in index.positions(cross):
+        assert SEPARATOR not in stream[pos : pos + len(cross)]
+
+
+def test_longest_suffix_match_and_continuations_stop_at_document_end():
+    docs = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7], [3, 4]]
+    stream, _ = join_documents(docs)
+    index = SuffixIndex(stream, build_suffix_array(stream))
+    m = index.longest_suffix_match([8, 8, 2, 3, 4], max_len=16, min_len=2)
+    assert m.length == 3 and m.count == 2
+    conts = index.continuations(m, 3)
+    assert sorted(map(tuple, conts.tolist())) == [(5, 6, SEPARATOR), (7, SEPARATOR, SEPARATOR)]
+    assert index.longest_suffix_match([8, 8], min_len=2) is None
+    assert index.longest_suffix_match([4], min_len=2) is None  # shorter than min_len
+    m = index.longest_suffix_match([3, 4])
+    assert m.count == 3
+    # continuation of the occurrence at a document's very end is all padding
+    assert (SEPARATOR, SEPARATOR) in set(map(tuple, index.continuations(m, 2).tolist()))
+    assert index.continuations(m, 2, max_matches=1).shape == (1, 2)
+
+
+def test_longest_match_is_the_longest_on_random_streams():
+    rng = np.random.default_rng(3)
+    stream, _ = join_documents([rng.integers(0, 3, size=200) for _ in range(3)])
+    index = SuffixIndex(stream, build_suffix_array(stream))
+    for _ in range(50):
+        ctx = rng.integers(0, 3, size=20).tolist()
+        m = index.longest_suffix_match(ctx, max_len=12, min_len=2)
+        best = max((k for k in range(2, 13) if brute_positions(stream, ctx[-k:])), default=None)
+        assert (m.length if m else None) == best
+        if m:
+            assert sorted(index.sa[m.lo : m.hi].tolist()) == brute_positions(stream, ctx[-m.length :])
+
+
+def test_empty_and_invalid_inputs():
+    stream, starts = join_documents([])
+    assert stream.size == 0 and starts.size == 0
+    assert build_suffix_array(stream).size == 0
+    with pytest.raises(ValueError):
+        join_documents([[1, -3]])
+    with pytest.raises(ValueError):
+        SuffixIndex(np.zeros(3, np.int32), np.zeros(2, np.int32))
