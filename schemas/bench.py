@@ -1,0 +1,72 @@
+"""Benchmark results: the JSON `specstore bench` writes and `specstore report` reads."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PromptRecord(BaseModel):
+    """One method on one prompt (one turn)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    method: str
+    prompt_id: str
+    category: str
+    turn: int = 1
+    num_tokens: int
+    steps: int = Field(description="target forwards, prefill included")
+    accepted_per_step: list[int]
+    num_drafted: int
+    num_accepted: int
+    num_relaxed: int = 0
+    wall_s: float
+    drafting_s: float
+    verifying_s: float
+    retrieval_ms: list[float] = Field(default_factory=list, description="per-step drafting latency")
+    identical_to_ar: bool | None = None
+    first_diff: int | None = Field(None, description="first generated position differing from ar, if any")
+
+
+class Summary(BaseModel):
+    """Aggregates over a set of prompt records of one method."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_prompts: int
+    num_tokens: int
+    mat: float = Field(description="generated tokens per target forward, bonus token included")
+    acceptance_rate: float = Field(description="accepted draft tokens / drafted tokens")
+    tokens_per_s: float
+    speedup_vs_ar: float | None = Field(description="ar wall time / this method's wall time on the same prompts")
+    drafting_share: float
+    retrieval_ms_median: float | None = None
+    accepted_length_histogram: dict[int, int] = Field(default_factory=dict, description="accepted draft tokens per decode step")
+    identical_to_ar: bool | None = Field(None, description="true only if every output equals ar's")
+    identical_share: float | None = None
+    num_relaxed: int = 0
+
+
+class MethodResult(Summary):
+    lossless: bool
+    per_category: dict[str, Summary] = Field(default_factory=dict)
+
+
+class BenchResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    created_at: str
+    command: str
+    machine: dict[str, str | int | float | None]
+    device: str
+    dtype: str
+    model: str
+    datastore: str | None
+    manifest_sha256: str | None
+    torch_version: str
+    transformers_version: str
+    questions: str
+    max_new_tokens: int
+    temperature: float
+    methods: dict[str, MethodResult]
+    prompts: list[PromptRecord] = Field(default_factory=list)
