@@ -157,11 +157,19 @@ class SuffixIndex:
                 hi_len = mid - 1
         return best
 
-    def continuations(self, match: Match, length: int, max_matches: int | None = None) -> np.ndarray:
+    def continuations(
+        self, match: Match, length: int, max_matches: int | None = None, *, spread: bool = False
+    ) -> np.ndarray:
         """Tokens following each occurrence of a match: int32 ``[num_matches, length]``, padded with
-        SEPARATOR from the end of the occurrence's document on. Occurrences are taken in SA order."""
-        hi = match.hi if max_matches is None else min(match.hi, match.lo + max_matches)
-        starts = np.asarray(self.sa[match.lo : hi], dtype=np.int64) + match.length
+        SEPARATOR from the end of the occurrence's document on. Occurrences are taken in SA order,
+        so the rows come out sorted. With ``max_matches``, the first ones, or with ``spread`` ones
+        evenly spaced over the whole interval (a deterministic sample that keeps frequencies)."""
+        if max_matches is not None and spread and match.count > max_matches:
+            ranks = match.lo + (np.arange(max_matches, dtype=np.int64) * match.count) // max_matches
+            starts = np.asarray(self.sa[ranks], dtype=np.int64) + match.length
+        else:
+            hi = match.hi if max_matches is None else min(match.hi, match.lo + max_matches)
+            starts = np.asarray(self.sa[match.lo : hi], dtype=np.int64) + match.length
         if starts.size == 0 or length <= 0:
             return np.zeros((starts.size, max(length, 0)), dtype=np.int32)
         idx = starts[:, None] + np.arange(length)[None, :]

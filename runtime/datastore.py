@@ -1,0 +1,147 @@
+"""Datastore: one committed version of a datastore, loaded for decoding.
+
+Owns opening a version by reference (``NAME``, ``NAME@VERSION``, ``NAME@TAG``) through the
+store's commit point, verifying its files against the manifest's checksums, refusing a version
+built for another model or tokenizer (the error names the field), and holding what the drafters
+read: the normaliser, the memory-mapped suffix array, the rows' continuations and the dense
+index. Does not own the store catalogue (store.py), building versions (pipelines/) or drafting.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from specstore.runtime.dense import DenseIndex
+from specstore.runtime.errors import ChecksumError, ManifestMismatchError, SpecstoreError
+from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
+from specstore.runtime.store import Ref, Store, VersionRecord, verify_files
+from specstore.runtime.suffix_array import SuffixIndex
+from specstore.schemas.manifest import Manifest, ModelInfo
+from specstore.schemas.tables import tokens_schema
+
+# checked in this order: the most telling difference is named first
+CHECKED_MODEL_FIELDS = ("tokenizer_hash", "vocab_size", "hidden_size", "revision")
+
+
+def check_model(manifest: Manifest, info: ModelInfo) -> None:
+    """Raise ManifestMismatchError naming the first field where ``info`` differs from the manifest."""
+    for name in CHECKED_MODEL_FIELDS:
+        expected, actual = getattr(manifest.model, name), getattr(info, name)
+        if expected != actual:
+            raise ManifestMismatchError(name, expected, actual)
+
+
+@dataclass
+class Datastore:
+    """One opened version. ``continuations``: int32 [N, L] (-1 padded) and ``continuation_lens``:
+    int [N], one row per datastore position in table order; ``dense`` searches the same rows."""
+
+    store: Store
+    record: VersionRecord
+    normaliser: Normaliser
+    suffix: SuffixIndex
+    continuations: np.ndarray | None = None
+    continuation_lens: np.ndarray | None = None
+    dense: DenseIndex | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.record.manifest
+
+    @property
+    def ref(self) -> str:
+        return f"{self.record.name}@{self.record.version}"
+
+    @classmethod
+    def open(
+        cls,
+        store: Store | str | os.PathLike,
+        ref: str | Ref,
+        model_info: ModelInfo | None = None,
+        verify: bool = True,
+        *,
+        dense: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> Datastore:
+        """Open the version ``ref`` resolves to.
+
+        ``model_info``: the model that will decode with it (``load_model(...).info``); ``None``
+        skips the check. ``verify``: check every file's SHA-256 (sizes are always checked).
+        ``dense``: load the tokens table and build the dense index (DReSD needs it, REST does
+        not). ``device``: where the dense index searches.
+        """
+        store = store if isinstance(store, Store) else Store(store)
+        record = store.resolve(ref)
+        manifest = record.manifest
+        if model_info is not None:
+            check_model(manifest, model_info)
+        verify_files(store.root, manifest.files, full=verify)
+        files = store.files_dir(manifest.name, manifest.build_id)
+        normaliser = _load(files / NORMALISER_FILE, Normaliser.load)
+        _check_normaliser(manifest, normaliser)
+        suffix = _load(files, SuffixIndex.load)
+        ds = cls(store, record, normaliser, suffix, device=torch.device(device))
+        if dense:
+            ds.load_dense()
+        return ds
+
+    def load_dense(self) -> DenseIndex:
+        """Read the tokens table's embeddings and continuations and build the dense index."""
+        if self.dense is not None:
+            return self.dense
+        m = self.manifest
+        try:
+            table = self.store.open_table(m.tokens_table)
+        except Exception as exc:  # lancedb raises several types for a missing or unreadable table
+            raise SpecstoreError(f"cannot open tokens table {m.tokens_table} of {self.ref}: {exc}") from None
+        _check_schema(self.ref, m, table.schema)
+        try:
+            data = table.to_lance().to_table(columns=["embedding", "continuation", "continuation_len"])
+        except Exception as exc:
+            raise ChecksumError(f"tokens table {m.tokens_table} of {self.ref} is unreadable: {exc}") from None
+        embeddings = _fixed_list(data.column("embedding"), m.pca_dims, np.float32)
+        self.continuations = _fixed_list(data.column("continuation"), m.continuation_length, np.int32)
+        self.continuation_lens = data.column("continuation_len").to_numpy().astype(np.int32)
+        self.dense = DenseIndex(embeddings, self.continuations[:, 0] if len(embeddings) else np.zeros(0), self.device)
+        return self.dense
+
+
+def _load(path: Path, loader):
+    try:
+        return loader(path)
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        raise ChecksumError(f"datastore file {path} is unreadable: {exc}") from None
+
+
+def _check_normaliser(manifest: Manifest, normaliser: Normaliser) -> None:
+    if normaliser.hidden_size != manifest.model.hidden_size:
+        raise ManifestMismatchError("hidden_size", manifest.model.hidden_size, normaliser.hidden_size)
+    if normaliser.dims != manifest.pca_dims:
+        raise ManifestMismatchError("pca_dims", manifest.pca_dims, normaliser.dims)
+
+
+def _check_schema(ref: str, manifest: Manifest, schema: pa.Schema) -> None:
+    expected = tokens_schema(manifest.pca_dims, manifest.continuation_length)
+    for f in expected:
+        if schema.get_field_index(f.name) < 0:
+            raise SpecstoreError(f"tokens table of {ref} has no column '{f.name}'")
+        if schema.field(f.name).type != f.type:
+            raise SpecstoreError(
+                f"tokens table of {ref}: column '{f.name}' is {schema.field(f.name).type}, manifest implies {f.type}"
+            )
+
+
+def _fixed_list(column: pa.ChunkedArray, width: int, dtype) -> np.ndarray:
+    """A fixed-size-list column as a [rows, width] array (no per-row Python work)."""
+    column = column.combine_chunks()
+    if len(column) == 0:
+        return np.zeros((0, width), dtype=dtype)
+    flat = column.flatten()  # respects a slice offset, unlike .values
+    return np.asarray(flat.to_numpy(zero_copy_only=False), dtype=dtype).reshape(len(column), width)

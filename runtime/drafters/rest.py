@@ -1,0 +1,111 @@
+"""REST drafter: retrieval by exact suffix match in a datastore's suffix array.
+
+Owns the REST algorithm: find the longest suffix of the context (pending token included, spans
+from ``max_span`` down to ``min_span``) that occurs in the datastore, read what follows a capped,
+evenly spread sample of its occurrences, count every continuation prefix, and keep the most
+frequent prefixes as one token tree of at most ``max_nodes`` nodes. Deterministic. Does not own
+suffix-array search (suffix_array.py) or verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex
+from specstore.runtime.tree import DraftTree
+
+
+@dataclass(frozen=True, slots=True)
+class RestConfig:
+    max_nodes: int = 64  # draft tree size cap (a 64-token verify costs ~2.4x a 1-token step on CPU)
+    max_span: int = 16  # longest context suffix tried
+    min_span: int = 2  # shortest context suffix accepted as a match
+    draft_length: int = 10  # deepest draft (tokens after the pending one)
+    max_matches: int = 1000  # occurrences read per step, spread evenly over all of them
+    min_count: int = 1  # a prefix must follow at least this many occurrences to be drafted
+
+
+def prefix_tree(continuations: np.ndarray, max_nodes: int, min_count: int = 1) -> DraftTree:
+    """The ``max_nodes`` most frequent prefixes of the rows of ``continuations`` (int [M, D],
+    SEPARATOR-padded) as a trie. Ties go to the shorter prefix, then the lexicographically
+    smaller, so the kept set is closed under prefixes (a prefix is at least as frequent as any
+    of its extensions) and the result does not depend on row order.
+    ``meta['counts']``: occurrences per node."""
+    rows = np.asarray(continuations)
+    if rows.size == 0 or max_nodes <= 0:
+        return DraftTree.empty()
+    rows = rows[np.lexsort(rows.T[::-1])]  # lexicographic: equal prefixes become runs
+    num, depth = rows.shape
+    brk = np.zeros(num, dtype=bool)
+    brk[0] = True
+    levels = []  # per depth: (global id, token, count, parent global id) of the kept runs
+    prev_starts = prev_ids = prev_kept = None
+    next_id = 0
+    for d in range(depth):
+        brk[1:] |= rows[1:, d] != rows[:-1, d]
+        starts = np.flatnonzero(brk)
+        counts = np.diff(np.append(starts, num))
+        tokens = rows[starts, d]
+        ids = np.arange(next_id, next_id + starts.size)
+        next_id += starts.size
+        keep = (tokens != SEPARATOR) & (counts >= min_count)
+        if prev_starts is None:
+            parents = np.full(starts.size, -1)
+        else:
+            owner = np.searchsorted(prev_starts, starts, side="right") - 1
+            parents = prev_ids[owner]
+            keep &= prev_kept[owner]  # a run whose parent was dropped has no place in the tree
+        if not keep.any():
+            break
+        levels.append((ids[keep], tokens[keep], counts[keep], parents[keep], np.full(int(keep.sum()), d)))
+        prev_starts, prev_ids, prev_kept = starts, ids, keep
+    if not levels:
+        return DraftTree.empty()
+    gid, token, count, parent, level = (np.concatenate(col) for col in zip(*levels, strict=True))
+    order = np.lexsort((gid, level, -count))[:max_nodes]  # ids rise with the prefix's sort order
+    chosen = np.sort(order)  # depth-major: parents before children
+    index_of = {int(g): i for i, g in enumerate(gid[chosen])}
+    parents = np.array([-1 if p < 0 else index_of[int(p)] for p in parent[chosen]], dtype=np.int64)
+    return DraftTree(token[chosen].astype(np.int64), parents, {"counts": count[chosen]})
+
+
+class RestDrafter:
+    """REST over one datastore's suffix array. ``propose`` matches ``state.tokens`` (context and
+    pending token); the tree's tokens follow the pending token."""
+
+    name = "rest"
+    lossless = True
+
+    def __init__(self, index: SuffixIndex, config: RestConfig | None = None):
+        self.index = index
+        self.config = config or RestConfig()
+        self.last_match_len = 0  # for stats and debugging: span of the last match (0 = none)
+
+    @classmethod
+    def from_datastore(cls, datastore, **options) -> RestDrafter:
+        return cls(datastore.suffix, RestConfig(**options))
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.last_match_len = 0
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        cfg = self.config
+        length = min(cfg.draft_length, state.budget)
+        self.last_match_len = 0
+        if length <= 0 or cfg.max_nodes <= 0:
+            return DraftTree.empty()
+        match = self.index.longest_suffix_match(state.tokens, cfg.max_span, cfg.min_span)
+        if match is None:
+            return DraftTree.empty()
+        self.last_match_len = match.length
+        rows = self.index.continuations(match, length, cfg.max_matches, spread=True)
+        tree = prefix_tree(rows, cfg.max_nodes, cfg.min_count)
+        tree.meta["match_len"] = match.length
+        tree.meta["num_matches"] = match.count
+        return tree
+
+    def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
+        """REST keeps no feedback."""
