@@ -1,0 +1,118 @@
+"""`specstore report`: Markdown tables and PNG plots from one or more bench result files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specstore.runtime.errors import SpecstoreError
+from specstore.schemas.bench import BenchResult
+
+
+def load_result(path: str | Path) -> BenchResult:
+    path = Path(path)
+    try:
+        return BenchResult.model_validate_json(path.read_text())
+    except OSError as exc:
+        raise SpecstoreError(f"cannot read bench result {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise SpecstoreError(f"{path} is not a specstore bench result: {str(exc).splitlines()[0]}") from None
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(result: BenchResult, title: str) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        f"model `{result.model}`, datastore `{result.datastore}`, {result.device} {result.dtype}, "
+        f"{result.max_new_tokens} new tokens, temperature {result.temperature}, torch {result.torch_version}, "
+        f"transformers {result.transformers_version}",
+        "",
+        "| method | MAT | acceptance | tokens/s | speedup vs ar | drafting share | retrieval ms (median) | identical to ar |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in result.methods.items():
+        ident = "-" if m.identical_to_ar is None else f"{'yes' if m.identical_to_ar else 'no'} ({m.identical_share:.0%})"
+        lines.append(
+            f"| {name} | {m.mat:.2f} | {m.acceptance_rate:.1%} | {m.tokens_per_s:.1f} | {_fmt(m.speedup_vs_ar)}x "
+            f"| {m.drafting_share:.1%} | {_fmt(m.retrieval_ms_median, '.3f')} | {ident} |"
+        )
+    categories = sorted({c for m in result.methods.values() for c in m.per_category})
+    if len(categories) > 1:
+        lines += ["", "MAT per category:", "", "| method | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
+        for name, m in result.methods.items():
+            cells = [_fmt(m.per_category[c].mat) if c in m.per_category else "-" for c in categories]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: BenchResult, out_dir: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = list(result.methods)
+    paths = []
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].bar(names, [result.methods[n].mat for n in names], color="tab:blue")
+    ax[0].set_title("MAT (tokens per target forward)")
+    ax[1].bar(names, [result.methods[n].speedup_vs_ar or 0 for n in names], color="tab:green")
+    ax[1].axhline(1.0, color="grey", lw=0.8)
+    ax[1].set_title("speedup over ar (same run)")
+    for a in ax:
+        a.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}_mat_speedup.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    drafting = [n for n in names if result.methods[n].accepted_length_histogram]
+    for i, n in enumerate(drafting):
+        hist = result.methods[n].accepted_length_histogram
+        total = sum(hist.values())
+        xs = sorted(hist)
+        ax.bar([x + i * 0.8 / max(len(drafting), 1) for x in xs], [hist[x] / total for x in xs],
+               width=0.8 / max(len(drafting), 1), label=n)
+    ax.set_xlabel("accepted draft tokens per step")
+    ax.set_ylabel("share of steps")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}_accepted_hist.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    categories = sorted({c for m in result.methods.values() for c in m.per_category})
+    if len(categories) > 1:
+        fig, ax = plt.subplots(figsize=(max(6, len(categories) * 1.2), 3.5))
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            per = result.methods[n].per_category
+            ax.bar([j + i * width for j in range(len(categories))], [per[c].mat if c in per else 0 for c in categories],
+                   width=width, label=n)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30)
+        ax.set_title("MAT per category")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / f"{stem}_mat_per_category.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def report(paths: list[str], out_dir: str | Path | None = None) -> str:
+    """Markdown for every result (and PNG plots into ``out_dir`` when given)."""
+    parts = []
+    for p in paths:
+        result = load_result(p)
+        stem = Path(p).stem
+        parts.append(markdown_table(result, stem))
+        if out_dir is not None:
+            for png in plot(result, Path(out_dir), stem):
+                parts.append(f"![{png.stem}]({png.name})\n")
+    return "\n".join(parts)
