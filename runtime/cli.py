@@ -81,6 +81,50 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(handler=_cmd_generate)
+
+    p = sub.add_parser(
+        "bench",
+        help="measure methods side by side on a question file",
+        description="Run every method on every question, interleaved prompt by prompt, and report MAT, acceptance, "
+        "tokens/s, speedup over ar (same run), drafting share, retrieval latency and identity to ar. Also runs "
+        "transformers' own greedy generate (hf) and prompt lookup (hf-pld) when named in --methods.",
+    )
+    _add_store(p)
+    p.add_argument("--datastore", default=None, metavar="REF", help="NAME, NAME@VERSION or NAME@TAG")
+    p.add_argument("--questions", required=True, metavar="FILE", help="MT-Bench/Spec-Bench, HumanEval or instruction JSONL (.gz ok)")
+    p.add_argument("--methods", default="ar,pld,rest,dresd", help="comma list of ar,pld,rest,dresd,respec,hf,hf-pld (default ar,pld,rest,dresd)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N questions")
+    p.add_argument("--skip", type=int, default=0, metavar="N", help="skip the first N questions")
+    p.add_argument("--turns", type=int, default=1, help="MT-Bench turns to ask (1 or 2; default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE", help="drafter option, e.g. rest.max_nodes=32 (repeatable)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the JSON result here")
+    p.set_defaults(handler=_cmd_bench)
+
+    p = sub.add_parser(
+        "simulate",
+        help="model-free MAT from stored ar references (sweep draft shapes in seconds)",
+        description="Replay greedy ar references from a bench result: under greedy verification the accepted length "
+        "follows from the reference alone, so MAT for any drafter setting is computed without decoding.",
+    )
+    _add_store(p)
+    p.add_argument("--datastore", default=None, metavar="REF")
+    p.add_argument("--references", required=True, metavar="FILE", help="a bench result JSON that includes method ar")
+    p.add_argument("--methods", default="pld,rest,dresd")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE")
+    p.add_argument("--sweep", action="append", default=[], metavar="METHOD.KEY=V1,V2,...", help="try several values of one option")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_cmd_simulate)
+
+    p = sub.add_parser("report", help="Markdown tables and PNG plots from bench results")
+    p.add_argument("results", nargs="+", metavar="RESULTS.json")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    p.set_defaults(handler=_cmd_report)
     return parser
 
 
@@ -132,6 +176,25 @@ def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     from specstore.runtime.cli_generate import run_generate
 
     return run_generate(args)
+
+
+def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.bench.runner import run_bench_command
+
+    return run_bench_command(args)
+
+
+def _cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.bench.simulate import run_simulate_command
+
+    return run_simulate_command(args)
+
+
+def _cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.bench.report import report
+
+    print(report(args.results, args.plots))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
