@@ -92,3 +92,25 @@ def write_datastore(
     if tag:
         store.set_tag(f"{name}@{committed.version}", tag)
     return committed
+
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+    "The quick brown fox jumps over the lazy dog. The lazy dog sleeps all day.",
+    "def mul(a, b):\n    return a * b\n\nprint(mul(3, 4))\n",
+    "Speculative decoding drafts tokens cheaply and verifies them with the target model in one pass.",
+]
+
+
+def tiny_datastore(folder, name: str = "code", texts: list[str] | None = None, **options):
+    """A tiny random llama model saved under ``folder/model`` and a datastore of ``texts`` built
+    with its hidden states in the store ``folder/store``. Returns ``(store, loaded_model, manifest)``."""
+    from specstore.runtime.models import load_model
+    from tests.helpers import make_tiny_model
+
+    path = make_tiny_model(folder / "model")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    docs = [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in (texts or TEXTS)]
+    store = Store(folder / "store", create=True)
+    manifest = write_datastore(store, name, docs, model_hidden(loaded.model, docs), loaded.info, **options)
+    return store, loaded, manifest

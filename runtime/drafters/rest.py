@@ -36,7 +36,7 @@ def prefix_tree(continuations: np.ndarray, max_nodes: int, min_count: int = 1) -
     ``meta['counts']``: occurrences per node."""
     rows = np.asarray(continuations)
     if rows.size == 0 or max_nodes <= 0:
-        return DraftTree.empty()
+        return _empty()
     rows = rows[np.lexsort(rows.T[::-1])]  # lexicographic: equal prefixes become runs
     num, depth = rows.shape
     brk = np.zeros(num, dtype=bool)
@@ -63,13 +63,19 @@ def prefix_tree(continuations: np.ndarray, max_nodes: int, min_count: int = 1) -
         levels.append((ids[keep], tokens[keep], counts[keep], parents[keep], np.full(int(keep.sum()), d)))
         prev_starts, prev_ids, prev_kept = starts, ids, keep
     if not levels:
-        return DraftTree.empty()
+        return _empty()
     gid, token, count, parent, level = (np.concatenate(col) for col in zip(*levels, strict=True))
     order = np.lexsort((gid, level, -count))[:max_nodes]  # ids rise with the prefix's sort order
     chosen = np.sort(order)  # depth-major: parents before children
     index_of = {int(g): i for i, g in enumerate(gid[chosen])}
     parents = np.array([-1 if p < 0 else index_of[int(p)] for p in parent[chosen]], dtype=np.int64)
     return DraftTree(token[chosen].astype(np.int64), parents, {"counts": count[chosen]})
+
+
+def _empty() -> DraftTree:
+    tree = DraftTree.empty()
+    tree.meta["counts"] = np.zeros(0, dtype=np.int64)
+    return tree
 
 
 class RestDrafter:

@@ -1,0 +1,122 @@
+"""Datastore.open: references, manifest checks naming the field, checksums, the dense index."""
+
+import numpy as np
+import pytest
+import torch
+
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.dense import DenseIndex
+from specstore.runtime.errors import ChecksumError, DatastoreNotFoundError, ManifestMismatchError
+from specstore.runtime.forward import hidden_states
+from specstore.runtime.store import Store
+from specstore.schemas.manifest import ModelInfo
+from tests.datastore_helpers import tiny_datastore, write_datastore
+
+INFO = ModelInfo(model_id="m", revision="r", tokenizer_hash="t", vocab_size=50, hidden_size=16)
+
+
+def random_store(path, num_docs=4, length=30, versions=1):
+    rng = np.random.default_rng(0)
+    store = Store(path, create=True)
+    manifests = []
+    for _ in range(versions):
+        docs = [[int(t) for t in rng.integers(0, 50, size=length)] for _ in range(num_docs)]
+        hid = [rng.normal(size=(length, 16)) for _ in docs]
+        manifests.append(write_datastore(store, "code", docs, hid, INFO, pca_dims=4, continuation_length=5))
+    return store, manifests
+
+
+def test_open_by_name_version_and_tag(tmp_path):
+    store, (m1, m2) = random_store(tmp_path, versions=2)
+    store.set_tag("code@1", "prod")
+    assert Datastore.open(store, "code", INFO).manifest.build_id == m2.build_id
+    assert Datastore.open(store, "code@1", INFO).manifest.build_id == m1.build_id
+    ds = Datastore.open(str(tmp_path), "code@prod", INFO)
+    assert ds.ref == "code@1" and ds.manifest.build_id == m1.build_id
+    assert len(ds.suffix) == 4 * 31 and len(ds.dense) == 4 * 30
+    assert ds.continuations.shape == (120, 5) and ds.continuation_lens.max() == 5
+    # continuations in the table agree with the token stream the suffix array indexes
+    stream = np.asarray(ds.suffix.stream)
+    assert np.array_equal(ds.continuations[0], stream[1:6])
+    assert ds.continuation_lens[29] == 0 and np.all(ds.continuations[29] == -1)
+    assert Datastore.open(store, "code", INFO, dense=False).dense is None
+
+
+def test_unknown_references_fail_clearly(tmp_path):
+    store, _ = random_store(tmp_path)
+    for ref, message in [("chat", "no datastore named 'chat'"), ("code@9", "no version 9"), ("code@prod", "no tag 'prod'")]:
+        with pytest.raises(DatastoreNotFoundError, match=message):
+            Datastore.open(store, ref, INFO)
+    with pytest.raises(DatastoreNotFoundError, match="does not exist"):
+        Datastore.open(tmp_path / "nowhere", "code")
+
+
+@pytest.mark.parametrize("field", ["tokenizer_hash", "vocab_size", "hidden_size", "revision"])
+def test_model_mismatch_names_the_field(tmp_path, field):
+    store, _ = random_store(tmp_path)
+    other = INFO.model_copy(update={field: 999 if isinstance(getattr(INFO, field), int) else "other"})
+    with pytest.raises(ManifestMismatchError, match=f"'{field}'") as err:
+        Datastore.open(store, "code", other)
+    assert err.value.field == field
+
+
+def test_corrupted_files_fail_their_checksum(tmp_path):
+    store, (m,) = random_store(tmp_path)
+    stream = store.files_dir("code", m.build_id) / "stream.npy"
+    data = bytearray(stream.read_bytes())
+    data[-3] ^= 0xFF  # same size, different content
+    stream.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="stream.npy fails its checksum"):
+        Datastore.open(store, "code", INFO)
+    table_file = next(k for k in m.files if k.endswith(".lance"))
+    path = store.root / table_file
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ChecksumError, match="bytes, manifest says"):
+        Datastore.open(store, "code", INFO, verify=False)  # sizes are checked even without hashing
+
+
+def test_dense_search_is_exact_with_and_without_the_filter():
+    rng = np.random.default_rng(1)
+    emb = rng.normal(size=(500, 8)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    nxt = rng.integers(-1, 6, size=500)
+    index = DenseIndex(emb, nxt)
+    for _ in range(20):
+        q = rng.normal(size=8).astype(np.float32)
+        scores = emb @ q
+        found = index.search(torch.from_numpy(q), 7)
+        assert np.array_equal(found.rows, np.argsort(-scores)[:7])
+        tok = int(rng.integers(0, 6))
+        rows = np.flatnonzero(nxt == tok)
+        found = index.search(q, 7, next_token=tok)
+        assert np.array_equal(found.rows, rows[np.argsort(-scores[rows])][:7])
+        assert np.allclose(found.scores, scores[found.rows])
+    assert len(index.search(q, 5, next_token=1234)) == 0
+    assert index.block_size(1234) == 0
+    tok = int(nxt[0])
+    assert len(index.search(q, 10_000, next_token=tok)) == index.block_size(tok) == int((nxt == tok).sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_search_on_cuda_matches_cpu():
+    rng = np.random.default_rng(2)
+    emb = rng.normal(size=(2000, 16)).astype(np.float32)
+    nxt = rng.integers(0, 4, size=2000)
+    cpu, gpu = DenseIndex(emb, nxt), DenseIndex(emb, nxt, device="cuda")
+    q = rng.normal(size=16).astype(np.float32)
+    for tok in (None, 0, 3):
+        assert np.array_equal(cpu.search(q, 10, tok).rows, gpu.search(torch.from_numpy(q).cuda(), 10, tok).rows)
+
+
+def test_stored_vectors_equal_a_fresh_query_transform(tmp_path):
+    store, loaded, manifest = tiny_datastore(tmp_path)
+    ds = Datastore.open(store, "code", loaded.info)
+    table = store.open_table(manifest.tokens_table).to_arrow().to_pylist()
+    row = next(r for r in table if r["doc_id"] == 2 and r["position"] == 5)
+    doc = [r["token_id"] for r in table if r["doc_id"] == 2]
+    hidden = hidden_states(loaded.model, torch.tensor([doc[:6]]))[0, -1]  # the live query at that token
+    query = ds.normaliser.apply_torch(hidden)
+    assert np.allclose(query.numpy(), row["embedding"], atol=1e-4)
+    found = ds.dense.search(query, 1, next_token=row["continuation"][0])
+    assert ds.continuations[found.rows[0]].tolist() == row["continuation"]

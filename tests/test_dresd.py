@@ -1,0 +1,82 @@
+"""DReSD drafter: the live query finds its own datastore position; the next-token filter; caps."""
+
+import numpy as np
+import pytest
+import torch
+
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.drafters.base import DecodeState
+from specstore.runtime.drafters.dresd import DresdDrafter
+from specstore.runtime.forward import hidden_states
+from tests.datastore_helpers import tiny_datastore
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    store, loaded, manifest = tiny_datastore(tmp_path_factory.mktemp("dresd"))
+    ds = Datastore.open(store, "code", loaded.info)
+    docs = {}
+    for row in store.open_table(manifest.tokens_table).to_arrow().to_pylist():
+        docs.setdefault(row["doc_id"], []).append(row["token_id"])
+    return ds, loaded, docs
+
+
+def live_state(model, tokens, budget=20) -> DecodeState:
+    """What the decode loop hands a drafter: the hidden state at tokens[-2]; tokens[-1] is pending."""
+    hidden = hidden_states(model, torch.tensor([tokens[:-1]]))[0, -1]
+    return DecodeState(tokens=list(tokens), num_prompt=len(tokens), last_hidden=hidden, budget=budget)
+
+
+def paths(tree) -> list[list[int]]:
+    return [[int(tree.tokens[i]) for i in tree.path_to(n)] for n in range(len(tree))]
+
+
+def test_query_finds_its_own_position_and_drafts_what_follows(tiny):
+    ds, loaded, docs = tiny
+    drafter = DresdDrafter.from_datastore(ds)
+    doc = docs[0]
+    for p in (3, 8, 15):
+        tokens = doc[: p + 2]  # pending token doc[p + 1]; query = hidden state at doc[p]
+        tree = drafter.propose(live_state(loaded.model, tokens))
+        first = [int(tree.tokens[i]) for i in tree.meta["path_nodes"][0]]
+        assert first == doc[p + 2 : p + 2 + 9]
+        assert 1 <= tree.meta["num_neighbours"] <= 10 and len(tree) <= 64
+
+
+def test_every_neighbour_agrees_with_the_pending_token(tiny):
+    ds, loaded, docs = tiny
+    drafter = DresdDrafter.from_datastore(ds, k=50, max_nodes=1000)
+    tokens = docs[1][:6]
+    state = live_state(loaded.model, tokens)
+    found = ds.dense.search(ds.normaliser.apply_torch(state.last_hidden), 50, next_token=tokens[-1])
+    assert len(found) == int((ds.continuations[:, 0] == tokens[-1]).sum())
+    tree = drafter.propose(state)
+    assert tree.meta["num_neighbours"] == len(found)
+    expected = [ds.continuations[r, 1:10] for r in found.rows]
+    expected = [[int(t) for t in e if t >= 0] for e in expected]
+    for path, nodes in zip([e for e in expected if e], tree.meta["path_nodes"], strict=True):
+        assert [int(tree.tokens[i]) for i in nodes] == path
+
+
+def test_edge_cases(tiny):
+    ds, loaded, docs = tiny
+    drafter = DresdDrafter.from_datastore(ds, max_nodes=5)
+    state = live_state(loaded.model, docs[0][:6])
+    assert len(drafter.propose(state)) == 5  # node cap
+    state.budget = 2
+    assert max(len(p) for p in paths(drafter.propose(state))) == 2  # depth capped by the budget
+    state.budget = 0
+    assert len(drafter.propose(state)) == 0
+    assert len(drafter.propose(DecodeState(tokens=docs[0][:6], num_prompt=6, budget=9))) == 0  # no hidden state
+    absent = next(t for t in range(1000) if t not in ds.continuations[:, 0])
+    state = live_state(loaded.model, docs[0][:5] + [absent])
+    assert len(drafter.propose(state)) == 0  # no datastore position is followed by the pending token
+    last = docs[3][-2:]  # the document's end: the only neighbour may have nothing after it
+    tree = drafter.propose(live_state(loaded.model, docs[3][:-2] + last))
+    assert all(t >= 0 for t in tree.tokens)
+
+
+def test_continuations_must_align_with_the_index(tiny):
+    ds, _, _ = tiny
+    with pytest.raises(ValueError, match="rows but continuations"):
+        DresdDrafter(ds.normaliser, ds.dense, ds.continuations[:-1])
