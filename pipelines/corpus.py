@@ -1,0 +1,198 @@
+"""Corpus sources: which format a path holds, its content hash, and its raw records.
+
+Owns the *reading* half of the build: detecting a path's format (``--format auto``), opening
+gzip transparently (by magic bytes, not by name), and turning a path into numbered raw records
+(one JSON line, one text file, one source file). Broken lines and non-UTF-8 bytes become
+records that carry a rejection reason instead of raising. Does not own what a record means
+(render.py) nor Beam (transforms.py): everything here is a plain function.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from specstore.runtime.errors import SpecstoreError
+
+FORMATS = ("chat-jsonl", "instruct-jsonl", "text", "code-dir")
+_JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
+CODE_SUFFIXES = frozenset(
+    ".py .pyi .js .jsx .ts .tsx .java .c .h .cc .cpp .hpp .cs .go .rs .rb .php .swift .kt .scala .sh .sql "
+    ".r .m .lua .pl .hs .ml .jl .dart .html .css .md .rst .toml .yaml .yml .txt .cfg .ini .json".split()
+)
+_GZIP_MAGIC = b"\x1f\x8b"
+_DETECT_LINES = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One ``--corpus`` path with its resolved format and its index in the build's source list."""
+
+    index: int
+    path: str
+    format: str
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """One record as read: a parsed JSON value or a text, or a rejection ``error``.
+
+    ``origin`` names where it came from (a line number or a file inside a directory).
+    """
+
+    source_index: int
+    record_index: int
+    origin: str
+    payload: object = None
+    error: str | None = None
+
+
+def open_binary(path: Path):
+    """Open a file for binary reading, decompressing gzip when its first bytes say so."""
+    with open(path, "rb") as probe:
+        magic = probe.read(2)
+    return gzip.open(path, "rb") if magic == _GZIP_MAGIC else open(path, "rb")
+
+
+def _base_suffix(path: Path) -> str:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def detect_format(path: Path) -> str:
+    """The format of a path: a directory is ``code-dir``; JSON lines are ``instruct-jsonl`` when
+    their first parseable record has an ``instruction`` field, else ``chat-jsonl``; any other
+    file is ``text``."""
+    if path.is_dir():
+        return "code-dir"
+    if _base_suffix(path) not in _JSONL_SUFFIXES:
+        return "text"
+    try:
+        with open_binary(path) as handle:
+            for _, line in zip(range(_DETECT_LINES), handle, strict=False):
+                try:
+                    obj = json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError):
+                    continue
+                if isinstance(obj, dict):
+                    return "instruct-jsonl" if "instruction" in obj else "chat-jsonl"
+    except (OSError, EOFError) as exc:
+        raise SpecstoreError(f"cannot read corpus {path}: {exc}") from None
+    return "chat-jsonl"
+
+
+def resolve_sources(paths: list[str], fmt: str = "auto") -> list[Source]:
+    """Check every path exists and resolve its format; raise SpecstoreError with one clear line."""
+    if fmt != "auto" and fmt not in FORMATS:
+        raise SpecstoreError(f"unknown corpus format {fmt!r}: choose auto or one of {', '.join(FORMATS)}")
+    if not paths:
+        raise SpecstoreError("no corpus path given")
+    sources = []
+    for index, raw in enumerate(paths):
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise SpecstoreError(f"corpus path {raw} does not exist")
+        resolved = detect_format(path) if fmt == "auto" else fmt
+        if (resolved == "code-dir") != path.is_dir():
+            kind = "a directory" if path.is_dir() else "a file"
+            raise SpecstoreError(f"corpus path {raw} is {kind}, which format {resolved} cannot read")
+        sources.append(Source(index, str(path.resolve()), resolved))
+    return sources
+
+
+def code_files(folder: Path) -> list[Path]:
+    """Source files under ``folder`` in a stable order, skipping hidden folders and files."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        if path.suffix.lower() in CODE_SUFFIXES or (path.suffix.lower() == ".gz" and _base_suffix(path) in CODE_SUFFIXES):
+            files.append(path)
+    return files
+
+
+def source_sha256(source: Source) -> str:
+    """Content hash of a file, or of the sorted (relative path, file hash) list of a directory."""
+    path = Path(source.path)
+    if not path.is_dir():
+        return _file_sha256(path)
+    digest = hashlib.sha256()
+    for f in code_files(path):
+        digest.update(f"{f.relative_to(path).as_posix()}={_file_sha256(f)}\n".encode())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _decode(data: bytes) -> tuple[str | None, str | None]:
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 (byte {exc.start})"
+
+
+def read_records(source: Source, limit: int | None = None) -> Iterator[RawRecord]:
+    """The numbered records of a source, at most ``limit`` of them.
+
+    JSONL: one record per non-blank line (blank lines are skipped, not counted). Text: the whole
+    file is one record. Code directory: one record per source file.
+    """
+    path = Path(source.path)
+    count = 0
+    if source.format == "code-dir":
+        for f in code_files(path):
+            if limit is not None and count >= limit:
+                return
+            yield _text_record(source, count, f.relative_to(path).as_posix(), f)
+            count += 1
+        return
+    if source.format == "text":
+        if limit is None or limit > 0:
+            yield _text_record(source, 0, path.name, path)
+        return
+    try:
+        with open_binary(path) as handle:
+            for line_no, line in enumerate(handle, start=1):
+                if limit is not None and count >= limit:
+                    return
+                if not line.strip():
+                    continue
+                yield _json_record(source, count, f"line {line_no}", line)
+                count += 1
+    except (OSError, EOFError) as exc:  # e.g. a truncated gzip stream: keep what was read
+        yield RawRecord(source.index, count, "end of file", error=f"unreadable: {exc}")
+
+
+def _json_record(source: Source, index: int, origin: str, line: bytes) -> RawRecord:
+    text, error = _decode(line)
+    if error:
+        return RawRecord(source.index, index, origin, error=error)
+    try:
+        return RawRecord(source.index, index, origin, payload=json.loads(text))
+    except ValueError as exc:
+        return RawRecord(source.index, index, origin, error=f"broken JSON: {exc.msg} at column {exc.colno}")
+
+
+def _text_record(source: Source, index: int, origin: str, path: Path) -> RawRecord:
+    try:
+        with open_binary(path) as handle:
+            data = handle.read()
+    except (OSError, EOFError) as exc:
+        return RawRecord(source.index, index, origin, error=f"unreadable: {exc}")
+    if b"\x00" in data:
+        return RawRecord(source.index, index, origin, error="binary file (NUL bytes)")
+    text, error = _decode(data)
+    return RawRecord(source.index, index, origin, payload=text, error=error)

@@ -1,0 +1,200 @@
+"""Beam DoFns and CombineFns of the build: thin adapters over the pure functions.
+
+Owns per-worker resources (a tokenizer and a model shared across the DoFn instances of one
+worker process through ``apache_beam.utils.shared.Shared``), progress bars, and the single-writer
+steps (token stream + suffix array, normaliser, rejected records). The graph that wires them is
+in transforms.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.utils import shared
+
+from specstore.pipelines.embed import StagedBatch, embed_documents, generate_responses, load_staged, save_staged
+from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
+from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
+from specstore.pipelines.render import Document, Rejection, prepare
+from specstore.pipelines.rows import rows_table
+from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
+from specstore.runtime.suffix_array import build_suffix_array, join_documents, save_suffix_index
+from specstore.schemas.tables import tokens_schema
+
+_SHARED = shared.Shared()  # one handle per process: models are loaded once per worker
+_BARS: dict[str, object] = {}
+_BARS_LOCK = threading.Lock()
+
+
+def _progress(desc: str, amount: int, enabled: bool) -> None:
+    """Advance this process' progress bar ``desc`` (tqdm, created on first use)."""
+    if not enabled:
+        return
+    from tqdm import tqdm
+
+    with _BARS_LOCK:
+        bar = _BARS.get(desc)
+        if bar is None:
+            bar = _BARS[desc] = tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+        bar.update(amount)
+
+
+class _Holder:
+    """Weak-referenceable box for a shared resource (Shared keeps weak references)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _tokenizer(plan: BuildPlan):
+    def load():
+        from transformers import AutoTokenizer
+
+        return _Holder(AutoTokenizer.from_pretrained(plan.model_path))
+
+    return _SHARED.acquire(load, tag=("tokenizer", plan.model_path)).value
+
+
+def _model(plan: BuildPlan):
+    def load():
+        from specstore.runtime.models import load_model
+
+        return load_model(plan.model_path, dtype=plan.dtype)
+
+    return _SHARED.acquire(load, tag=("model", plan.model_path, plan.dtype))
+
+
+class PrepareFn(beam.DoFn):
+    """Raw record -> documents (main), prompts (``prompts``) or a rejection (``rejected``)."""
+
+    def __init__(self, plan: BuildPlan):
+        self.plan = plan
+
+    def setup(self):
+        self.tokenizer = _tokenizer(self.plan)
+
+    def process(self, record):
+        fmt = self.plan.source_format(record.source_index)
+        for item in prepare(record, fmt, self.tokenizer, max_doc_tokens=self.plan.max_doc_tokens, regenerate=self.plan.regenerate):
+            if isinstance(item, Rejection):
+                yield beam.pvalue.TaggedOutput("rejected", item)
+            elif isinstance(item, Document):
+                yield item
+            else:
+                yield beam.pvalue.TaggedOutput("prompts", item)
+
+
+class GenerateFn(beam.DoFn):
+    """A batch of prompts -> documents written by the model itself (batched greedy generation)."""
+
+    def __init__(self, plan: BuildPlan):
+        self.plan = plan
+
+    def setup(self):
+        self.loaded = _model(self.plan)
+
+    def process(self, prompts):
+        tok = self.loaded.tokenizer
+        eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0}
+        pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+        docs = generate_responses(self.loaded.model, [p.tokens for p in prompts], max_new_tokens=self.plan.max_new_tokens, pad_id=pad, eos_ids=eos)
+        _progress("generate", sum(len(d) - len(p.tokens) for d, p in zip(docs, prompts, strict=True)), self.plan.progress)
+        for p, d in zip(prompts, docs, strict=True):
+            yield Document(p.doc_id, d[: self.plan.max_doc_tokens])
+
+
+class EmbedFn(beam.DoFn):
+    """A batch of documents -> a staging file of raw hidden states (main) and their
+    normaliser statistics (``stats``). Hidden states never travel through Beam."""
+
+    def __init__(self, plan: BuildPlan):
+        self.plan = plan
+
+    def setup(self):
+        self.loaded = _model(self.plan)
+
+    def process(self, docs: list[Document]):
+        docs = sorted(docs, key=lambda d: d.doc_id)
+        hidden = embed_documents(self.loaded.model, [d.tokens for d in docs])
+        staged = save_staged(
+            self.plan.staging_dir, f"embed-{docs[0].doc_id}-{uuid.uuid4().hex[:8]}",
+            [d.doc_id for d in docs], [d.tokens for d in docs], hidden, self.plan.spill_dtype,
+        )
+        _progress("embed", staged.num_tokens, self.plan.progress)
+        yield beam.pvalue.TaggedOutput("stats", NormStats.of(sample_rows(np.concatenate(hidden), self.plan.fit_rows_per_batch)))
+        yield staged
+
+
+class NormStatsCombineFn(beam.CombineFn):
+    """Sums NormStats from all workers (None when there were no vectors)."""
+
+    def create_accumulator(self):
+        return None
+
+    def add_input(self, acc, stats: NormStats):
+        return stats if acc is None else acc.merge(stats)
+
+    def merge_accumulators(self, accs):
+        total = None
+        for acc in accs:
+            if acc is not None:
+                total = acc if total is None else total.merge(acc)
+        return total
+
+    def extract_output(self, acc):
+        return acc
+
+
+def fit_and_save(stats: NormStats | None, plan: BuildPlan) -> Normaliser | None:
+    """Fit the normaliser and write normaliser.npz (None when there is nothing to fit)."""
+    if stats is None or stats.n < 2:
+        return None
+    normaliser = fit_normaliser(stats, plan.pca_dims)
+    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
+    normaliser.save(Path(plan.files_dir) / NORMALISER_FILE)
+    return normaliser
+
+
+def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> dict:
+    """Join all documents in doc_id order, build and save the suffix array; return the layout."""
+    docs = sorted(docs, key=lambda d: d[0])
+    stream, starts = join_documents([tokens for _, tokens in docs])
+    save_suffix_index(Path(plan.files_dir), stream, build_suffix_array(stream))
+    return {
+        "starts": {doc: int(start) for (doc, _), start in zip(docs, starts, strict=True)},
+        "num_documents": len(docs),
+        "num_tokens": int(sum(len(t) for _, t in docs)),
+    }
+
+
+def write_fragment(staged: StagedBatch, normaliser: Normaliser | None, layout: dict, plan: BuildPlan):
+    """Rows of one staging file -> one Lance fragment (not yet committed to the table)."""
+    from lance.fragment import write_fragments
+
+    if normaliser is None:
+        return
+    doc_ids, docs, hidden = load_staged(staged.path)
+    embeddings = normaliser.apply(hidden)
+    table = rows_table(doc_ids, docs, [layout["starts"][d] for d in doc_ids], embeddings, plan.continuation_length)
+    fragments = write_fragments(table, plan.table_uri, schema=tokens_schema(plan.pca_dims, plan.continuation_length))
+    yield {
+        "first_offset": int(min(layout["starts"][d] for d in doc_ids)),
+        "fragments": [json.dumps(f.to_json()) for f in fragments],
+        "num_rows": table.num_rows,
+        "embedding_sum": embeddings.astype(np.float64).sum(axis=0).tolist(),
+    }
+
+
+def write_rejected(rejections: list[Rejection], plan: BuildPlan) -> int:
+    """All rejected records, in source and record order, one JSON object per line."""
+    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
+    rejections = sorted(rejections, key=lambda r: (r.source_index, r.record_index))
+    with open(Path(plan.files_dir) / REJECTED_FILE, "w", encoding="utf-8") as out:
+        for r in rejections:
+            out.write(json.dumps(r.to_json(plan.source_path(r.source_index)), ensure_ascii=False) + "\n")
+    return len(rejections)

@@ -1,0 +1,147 @@
+"""The build pipeline's graph: corpus -> documents -> embeddings -> normaliser -> fragments.
+
+Owns how the steps of steps.py are wired, labelled and batched. ``expand_build(p, plan)``
+adds the whole build to a pipeline (a TestPipeline in tests) and returns its labelled
+PCollections; its last step writes ``_staging/summary.json``, which the driver (build.py)
+turns into one committed version. Nothing here makes a version visible.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.pvalue import AsDict, AsSingleton, PCollection
+
+from specstore.pipelines import steps
+from specstore.pipelines.corpus import read_records
+from specstore.pipelines.embed import length_bucket, plan_batches
+from specstore.pipelines.plan import BuildPlan
+
+
+@dataclass(frozen=True)
+class BuildOutputs:
+    records: PCollection  # RawRecord
+    documents: PCollection  # Document (after regeneration, if any)
+    rejected: PCollection  # Rejection
+    staged: PCollection  # StagedBatch
+    normaliser: PCollection  # one Normaliser (or None)
+    layout: PCollection  # one dict: starts, num_documents, num_tokens
+    fragments: PCollection  # dicts from steps.write_fragment
+    summary: PCollection  # one dict, also written to plan.summary_path
+
+
+def _first_n(record, counts: dict[int, int], n: int) -> bool:
+    """Keep a record when its rank over all sources (in source order) is below n."""
+    return sum(c for s, c in counts.items() if s < record.source_index) + record.record_index < n
+
+
+class _Batch(beam.PTransform):
+    """Documents (or prompts) -> lists forming padded batches, bucketed by length, spread out."""
+
+    def __init__(self, tokens_per_batch: int, max_items: int | None = None):
+        super().__init__()
+        self.tokens_per_batch = tokens_per_batch
+        self.max_items = max_items
+
+    def expand(self, items):
+        def cut(keyed):
+            _, group = keyed
+            group = list(group)
+            for idx in plan_batches([len(d.tokens) for d in group], self.tokens_per_batch):
+                for start in range(0, len(idx), self.max_items or len(idx)):
+                    yield [group[i] for i in idx[start : start + (self.max_items or len(idx))]]
+
+        return (
+            items
+            | "ByLength" >> beam.Map(lambda d: (length_bucket(len(d.tokens)), d))
+            | "GroupByLength" >> beam.GroupByKey()
+            | "CutBatches" >> beam.FlatMap(cut)
+            | "Spread" >> beam.Reshuffle()
+        )
+
+
+def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
+    records = (
+        p
+        | "Sources" >> beam.Create(list(plan.sources))
+        | "ReadRecords" >> beam.FlatMap(read_records, limit=plan.max_docs)
+    )
+    if plan.max_docs is not None:
+        per_source = records | "CountForLimit" >> beam.Map(lambda r: (r.source_index, 1)) | beam.CombinePerKey(sum)
+        records = records | "FirstN" >> beam.Filter(_first_n, counts=AsDict(per_source), n=plan.max_docs)
+    prepared = (
+        records
+        | "SpreadRecords" >> beam.Reshuffle()
+        | "RenderTokenise" >> beam.ParDo(steps.PrepareFn(plan)).with_outputs("rejected", "prompts", main="documents")
+    )
+    documents = prepared.documents
+    if plan.regenerate:
+        generated = (
+            prepared.prompts
+            | "BatchPrompts" >> _Batch(plan.batch_tokens, plan.generate_batch)
+            | "Regenerate" >> beam.ParDo(steps.GenerateFn(plan))
+        )
+        documents = (documents, generated) | "AllDocuments" >> beam.Flatten()
+
+    embedded = (
+        documents
+        | "BatchDocuments" >> _Batch(plan.batch_tokens)
+        | "Embed" >> beam.ParDo(steps.EmbedFn(plan)).with_outputs("stats", main="staged")
+    )
+    normaliser = (
+        embedded.stats
+        | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
+        | "FitNormaliser" >> beam.Map(steps.fit_and_save, plan=plan)
+    )
+    layout = (
+        documents
+        | "DocTokens" >> beam.Map(lambda d: (d.doc_id, d.tokens))
+        | "CollectStream" >> beam.combiners.ToList()
+        | "SuffixArray" >> beam.Map(steps.write_stream, plan=plan)
+    )
+    fragments = embedded.staged | "WriteFragments" >> beam.FlatMap(
+        steps.write_fragment, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan
+    )
+    num_rejected = (
+        prepared.rejected
+        | "CollectRejected" >> beam.combiners.ToList()
+        | "WriteRejected" >> beam.Map(steps.write_rejected, plan=plan)
+    )
+    read_counts = records | "RecordsPerSource" >> beam.Map(lambda r: r.source_index) | "CountRead" >> beam.combiners.Count.PerElement()
+    rejected_counts = (
+        prepared.rejected | "RejectedPerSource" >> beam.Map(lambda r: r.source_index) | "CountRejected" >> beam.combiners.Count.PerElement()
+    )
+    summary = (
+        fragments
+        | "CollectFragments" >> beam.combiners.ToList()
+        | "Summary" >> beam.Map(
+            _write_summary, plan=plan, layout=AsSingleton(layout), num_rejected=AsSingleton(num_rejected),
+            read_counts=AsDict(read_counts), rejected_counts=AsDict(rejected_counts),
+        )
+    )
+    return BuildOutputs(records, documents, prepared.rejected, embedded.staged, normaliser, layout, fragments, summary)
+
+
+def _write_summary(fragments: list[dict], plan: BuildPlan, layout: dict, num_rejected: int, read_counts: dict, rejected_counts: dict) -> dict:
+    """Everything the driver needs to commit, as one small JSON file in the staging folder."""
+    fragments = sorted(fragments, key=lambda f: f["first_offset"])
+    num_rows = sum(f["num_rows"] for f in fragments)
+    emb_sum = np.sum([f["embedding_sum"] for f in fragments], axis=0) if fragments else None
+    summary = {
+        "num_documents": layout["num_documents"],
+        "num_tokens": layout["num_tokens"],
+        "num_rows": num_rows,
+        "num_rejected": num_rejected,
+        "fragments": [frag for f in fragments for frag in f["fragments"]],
+        "domain_centroid": (emb_sum / num_rows).tolist() if num_rows else None,
+        "sources": {
+            str(s.index): {"num_records": int(read_counts.get(s.index, 0)), "num_rejected": int(rejected_counts.get(s.index, 0))}
+            for s in plan.sources
+        },
+    }
+    plan.staging_dir.mkdir(parents=True, exist_ok=True)
+    plan.summary_path.write_text(json.dumps(summary))
+    return summary
