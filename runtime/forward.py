@@ -29,6 +29,11 @@ def forward_with_hidden(model, **kwargs) -> tuple[torch.Tensor, torch.Tensor, ob
         out = model.base_model(**kwargs)
         hidden = out.last_hidden_state
         logits = model.get_output_embeddings()(hidden)
-        return logits, hidden, out.past_key_values
+        return logits, hidden, _cache_of(out)
     out = model(**kwargs, output_hidden_states=True)
-    return out.logits, out.hidden_states[-1], out.past_key_values
+    return out.logits, out.hidden_states[-1], _cache_of(out)
+
+
+def _cache_of(out) -> object:
+    """transformers 5.x names the returned cache ``cache``; ``past_key_values`` is deprecated."""
+    return out["cache"] if "cache" in out else getattr(out, "past_key_values", None)

@@ -1,0 +1,188 @@
+"""The one verifier every drafter feeds: a forward of the target over a DraftTree, acceptance,
+and the KV cache kept equal to plain decoding of the committed tokens.
+
+Owns the target's KV cache for one request, the tree attention inputs (a 4D additive float
+mask and explicit position ids, through the public transformers API), cache compaction to the
+accepted path, and the batch fallback for models that cannot take a custom 4D mask. Acceptance
+rules live in sampling.py; the decode loop in decode.py.
+
+Invariant: the cache holds every committed token except the last one (the *pending* token).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from specstore.runtime.drafters.base import VerifyResult
+from specstore.runtime.forward import forward_with_hidden
+from specstore.runtime.sampling import Sampling, accept, pick
+from specstore.runtime.tree import DraftTree
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """A verification's result plus what the target computed at the last accepted position
+    (the last token it processed before the bonus): ``hidden`` [H] and ``logits`` [V]."""
+
+    result: VerifyResult
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+def ancestor_matrix(tree: DraftTree) -> np.ndarray:
+    """[1 + n, 1 + n] bool: row i may attend to column j (j is i's ancestor or i itself).
+    Index 0 is the pending token (the root), index ``k + 1`` is node k."""
+    q = len(tree) + 1
+    anc = np.zeros((q, q), dtype=bool)
+    anc[0, 0] = True
+    for node, parent in enumerate(tree.parents.tolist()):
+        anc[node + 1] = anc[parent + 1]
+        anc[node + 1, node + 1] = True
+    return anc
+
+
+def tree_attention_inputs(
+    tree: DraftTree, num_cached: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [1, 1 + n] (cached length + depth) and the additive mask
+    [1, 1, 1 + n, num_cached + 1 + n] (0 where allowed, ``finfo(dtype).min`` elsewhere).
+
+    Additive float, not bool: transformers' eager attention adds a bool mask as 0/1 and gives
+    wrong logits without an error (FINDINGS, "Tree verification").
+    """
+    depth = np.concatenate([[0], tree.depths()])
+    positions = torch.as_tensor(num_cached + depth, device=device).unsqueeze(0)
+    allowed = torch.as_tensor(ancestor_matrix(tree), device=device)
+    q = allowed.shape[0]
+    mask = torch.zeros((1, 1, q, num_cached + q), dtype=dtype, device=device)
+    mask[0, 0, :, num_cached:].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return positions, mask
+
+
+def supports_tree_attention(model, cache) -> bool:
+    """False where a custom 4D mask cannot be given: sliding-window cache layers keep a shorter
+    cache than the mask describes, and flash-attention kernels take no arbitrary mask."""
+    impl = str(getattr(model.config, "_attn_implementation", "") or "")
+    if "flash" in impl:
+        return False
+    return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+
+def clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The subtree of nodes at depth <= ``max_depth`` (``meta['path_nodes']`` re-indexed)."""
+    if len(tree) == 0:
+        return tree
+    keep = tree.depths() <= max_depth
+    if keep.all():
+        return tree
+    new_index = np.cumsum(keep) - 1
+    parents = np.where(tree.parents[keep] < 0, -1, new_index[np.maximum(tree.parents[keep], 0)])
+    meta = dict(tree.meta)
+    if "path_nodes" in meta:
+        meta["path_nodes"] = [[int(new_index[i]) for i in path if keep[i]] for path in meta["path_nodes"]]
+    return DraftTree(tree.tokens[keep], parents, meta)
+
+
+class TreeVerifier:
+    """Holds the target's cache for one request; ``prefill`` once, then ``step`` per draft tree."""
+
+    def __init__(self, model, sampling: Sampling | None = None):
+        self.model = model
+        self.sampling = sampling or Sampling()
+        self.cache = DynamicCache(config=model.config)
+        self.device = next(model.parameters()).device
+        self.tree_attention = supports_tree_attention(model, self.cache)
+
+    @property
+    def num_cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _forward(self, input_ids: torch.Tensor, cache, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden, _ = forward_with_hidden(self.model, input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
+        return logits, hidden
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> StepOutput:
+        """Run the prompt; its last token's logits choose the first generated token (the bonus)."""
+        assert self.num_cached == 0, "prefill runs once per request"
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        logits, hidden = self._forward(ids, self.cache)
+        last = logits[0, -1]
+        return StepOutput(VerifyResult([], [], pick(last, self.sampling), 0), hidden[0, -1], last)
+
+    @torch.inference_mode()
+    def tree_logits(self, pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over [pending] + tree nodes: logits [1 + n, V] and hidden [1 + n, H].
+        The cache grows by 1 + n entries; ``compact`` must follow."""
+        ids = torch.tensor([[pending, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
+        if len(tree) == 0:  # plain decoding: the model's own causal mask and positions
+            logits, hidden = self._forward(ids, self.cache)
+            return logits[0], hidden[0]
+        dtype = next(self.model.parameters()).dtype
+        positions, mask = tree_attention_inputs(tree, self.num_cached, dtype, self.device)
+        logits, hidden = self._forward(ids, self.cache, attention_mask=mask, position_ids=positions)
+        return logits[0], hidden[0]
+
+    def compact(self, num_before: int, tree: DraftTree, accepted: list[int]) -> None:
+        """Keep the cache entries of the pending token and the accepted path, drop the rest.
+        When the path is the tree's first nodes in order (always so for a chain) a crop suffices."""
+        num_nodes, kept = len(tree), len(accepted)
+        if accepted == list(range(kept)):
+            if num_nodes > kept:
+                self.cache.crop(-(num_nodes - kept))  # transformers 5.x: negative = tokens to remove
+            return
+        keep = torch.tensor([num_before + 1 + i for i in accepted], device=self.device)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                full = getattr(layer, name)
+                tail = full.index_select(-2, keep)
+                setattr(layer, name, torch.cat([full[..., : num_before + 1, :], tail], dim=-2))
+
+    @torch.inference_mode()
+    def step(self, pending: int, tree: DraftTree) -> StepOutput:
+        """Verify ``tree`` after the pending token; the cache ends holding pending + accepted."""
+        if len(tree) and not self.tree_attention:
+            return self._step_batched(pending, tree)
+        num_before = self.num_cached
+        logits, hidden = self.tree_logits(pending, tree)
+        accepted, bonus = accept(logits, tree, self.sampling)
+        self.compact(num_before, tree, accepted)
+        row = accepted[-1] + 1 if accepted else 0
+        tokens = tree.tokens[accepted].tolist()
+        return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree)), hidden[row], logits[row])
+
+    def _step_batched(self, pending: int, tree: DraftTree) -> StepOutput:
+        """Fallback without tree attention: every root-to-leaf path is one row of a batch over a
+        copy of the cache (right-padded, so the causal mask alone is right), then the accepted
+        tokens are run once more on the real cache. Costs one extra forward of 1 + accepted
+        tokens per step; used only where ``supports_tree_attention`` is False."""
+        children = [0] * len(tree)
+        for p in tree.parents.tolist():
+            if p >= 0:
+                children[p] += 1
+        leaves = [i for i in range(len(tree)) if children[i] == 0]
+        paths = [tree.path_to(leaf) for leaf in leaves]
+        width = 1 + max(len(p) for p in paths)
+        tok = tree.tokens.tolist()
+        rows = [[pending, *(tok[i] for i in p)] + [pending] * (width - 1 - len(p)) for p in paths]
+        batch_cache = copy.deepcopy(self.cache)
+        batch_cache.batch_repeat_interleave(len(rows))
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits, hidden = self._forward(ids, batch_cache)
+        where = [(0, 0)] * (len(tree) + 1)  # row of the batch and column holding each node
+        for b, path in enumerate(paths):
+            for depth, node in enumerate(path, start=1):
+                where[node + 1] = (b, depth)
+        index_b = torch.tensor([w[0] for w in where], device=self.device)
+        index_t = torch.tensor([w[1] for w in where], device=self.device)
+        node_logits, node_hidden = logits[index_b, index_t], hidden[index_b, index_t]
+        accepted, bonus = accept(node_logits, tree, self.sampling)
+        tokens = tree.tokens[accepted].tolist()
+        self._forward(torch.tensor([[pending, *tokens]], dtype=torch.long, device=self.device), self.cache)
+        row = accepted[-1] + 1 if accepted else 0
+        return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree)), node_hidden[row], node_logits[row])
