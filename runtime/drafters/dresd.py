@@ -17,6 +17,7 @@ import numpy as np
 
 from specstore.runtime.dense import DenseIndex
 from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import Normaliser
 from specstore.runtime.tree import DraftTree
 from specstore.schemas.tables import PAD_TOKEN
@@ -79,3 +80,10 @@ class DresdDrafter:
 def _real_len(row: np.ndarray) -> int:
     pad = np.flatnonzero(row == PAD_TOKEN)
     return int(pad[0]) if pad.size else int(row.shape[0])
+
+
+def create(datastore=None, **options) -> DresdDrafter:
+    """Registry factory: ``options`` are DresdConfig fields (k, max_nodes, draft_length)."""
+    if datastore is None:
+        raise SpecstoreError("method 'dresd' needs a datastore (--datastore NAME[@VERSION|@TAG])")
+    return DresdDrafter.from_datastore(datastore, **options)

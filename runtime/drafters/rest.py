@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex
 from specstore.runtime.tree import DraftTree
 
@@ -115,3 +116,10 @@ class RestDrafter:
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         """REST keeps no feedback."""
+
+
+def create(datastore=None, **options) -> RestDrafter:
+    """Registry factory: ``options`` are RestConfig fields (max_nodes, max_span, ...)."""
+    if datastore is None:
+        raise SpecstoreError("method 'rest' needs a datastore (--datastore NAME[@VERSION|@TAG])")
+    return RestDrafter.from_datastore(datastore, **options)

@@ -1,0 +1,74 @@
+"""``specstore generate``: decode one prompt with one drafting method, streaming accepted text.
+
+Owns the command's flow: resolve the datastore reference first (an unknown name, version or tag
+fails before the model loads), load the model, open the datastore version against that model
+(mismatches and checksum failures raise SpecstoreError, which cli.py prints as one line), build
+the drafter through the registry and call ``api.generate``. Does not own decoding or drafting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specstore.runtime.errors import SpecstoreError
+
+DATASTORE_METHODS = ("rest", "dresd", "respec")
+DENSE_METHODS = ("dresd", "respec")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from specstore.runtime.api import generate
+    from specstore.runtime.datastore import Datastore
+    from specstore.runtime.drafters.registry import make_drafter
+    from specstore.runtime.models import load_model
+    from specstore.runtime.store import Store
+
+    datastore = None
+    if args.method in DATASTORE_METHODS:
+        if not args.datastore:
+            raise SpecstoreError(f"method '{args.method}' needs --datastore NAME[@VERSION|@TAG]")
+        store = Store(args.store)
+        store.resolve(args.datastore)  # fail fast, before the model loads
+    if args.max_new_tokens < 0:
+        raise SpecstoreError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SpecstoreError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.method in DATASTORE_METHODS:
+        device = next(loaded.model.parameters()).device
+        datastore = Datastore.open(store, args.datastore, loaded.info, dense=args.method in DENSE_METHODS, device=device)
+    drafter = make_drafter(args.method, datastore)
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = generate(
+        loaded.model,
+        loaded.tokenizer,
+        args.prompt,
+        drafter=drafter,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=None if args.json else stream,
+    )
+    stats = result.stats.to_dict()
+    if args.json:
+        out = {
+            "method": args.method,
+            "datastore": datastore.ref if datastore is not None else None,
+            **result.to_dict(),
+        }
+        print(json.dumps(out))
+        return 0
+    print()
+    print(
+        f"[{args.method}] {len(result.token_ids)} tokens in {stats['steps']} steps, MAT {stats['mat']:.2f}, "
+        f"drafting {stats['drafting_s']:.3f} s, verifying {stats['verifying_s']:.3f} s, stop: {result.stop_reason}",
+        file=sys.stderr,
+    )
+    return 0
