@@ -114,3 +114,23 @@ def tiny_datastore(folder, name: str = "code", texts: list[str] | None = None, *
     store = Store(folder / "store", create=True)
     manifest = write_datastore(store, name, docs, model_hidden(loaded.model, docs), loaded.info, **options)
     return store, loaded, manifest
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Write a haiku about the sea."]
+
+
+def own_output_datastore(folder, max_new_tokens: int = 24):
+    """An in-domain datastore for the tiny model: each document is a prompt and the model's own
+    greedy answer, so retrieval has something to find. Returns ``(store, loaded, ar_outputs)``
+    with ``ar_outputs[prompt]`` the plain greedy ids."""
+    from specstore.runtime.api import generate
+    from specstore.runtime.models import load_model
+    from tests.helpers import make_tiny_model
+
+    path = make_tiny_model(folder / "model", seed=3)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    outputs = {p: generate(loaded.model, loaded.tokenizer, p, "ar", max_new_tokens) for p in PROMPTS}
+    docs = [r.prompt_ids + r.token_ids for r in outputs.values()]
+    store = Store(folder / "store", create=True)
+    write_datastore(store, "own", docs, model_hidden(loaded.model, docs), loaded.info)
+    return store, loaded, {p: r.token_ids for p, r in outputs.items()}

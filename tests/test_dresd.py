@@ -1,14 +1,18 @@
 """DReSD drafter: the live query finds its own datastore position; the next-token filter; caps."""
 
-import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specstore.runtime.api import generate
 
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.dresd import DresdDrafter
+from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.forward import hidden_states
-from tests.datastore_helpers import tiny_datastore
+from tests.datastore_helpers import own_output_datastore, tiny_datastore
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +84,37 @@ def test_continuations_must_align_with_the_index(tiny):
     ds, _, _ = tiny
     with pytest.raises(ValueError, match="rows but continuations"):
         DresdDrafter(ds.normaliser, ds.dense, ds.continuations[:-1])
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    return own_output_datastore(tmp_path_factory.mktemp("dresd-own"))
+
+
+def test_dresd_greedy_output_is_identical_to_ar_and_accepts(own):
+    store, loaded, ar = own
+    drafter = make_drafter("dresd", Datastore.open(store, "own", loaded.info))
+    mats = []
+    for prompt, expected in ar.items():
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected))
+        assert result.token_ids == expected
+        mats.append(result.stats.mat)
+    assert min(mats) > 1.5
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=12))
+def test_dresd_matches_ar_on_random_prompts(own, prompt):
+    store, loaded, _ = own
+    drafter = make_drafter("dresd", Datastore.open(store, "own", loaded.info))
+    ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=16)
+    assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=16).token_ids == ar.token_ids
+
+
+def test_datastore_of_one_document_and_no_match(tmp_path):
+    store, loaded, _ = tiny_datastore(tmp_path, name="one", texts=["def add(a, b):\n    return a + b\n"])
+    ds = Datastore.open(store, "one", loaded.info)
+    for prompt in ("def add(a, b):", "zzz"):
+        ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=12).token_ids
+        for method in ("rest", "dresd"):
+            assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter(method, ds), max_new_tokens=12).token_ids == ar

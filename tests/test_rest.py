@@ -3,12 +3,17 @@
 from collections import Counter
 
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specstore.runtime.api import generate
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.rest import RestConfig, RestDrafter, prefix_tree
 from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex, build_suffix_array, join_documents
+from tests.datastore_helpers import own_output_datastore
 
 
 def index_of(docs) -> SuffixIndex:
@@ -97,3 +102,28 @@ def test_rest_caps_nodes_and_matches_deterministically():
     assert sum(tree.meta["counts"][tree.parents == -1]) <= 100  # only the sample was counted
     again = drafter.propose(state([5, 6]))
     assert np.array_equal(tree.tokens, again.tokens) and np.array_equal(tree.parents, again.parents)
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    return own_output_datastore(tmp_path_factory.mktemp("rest"))
+
+
+def test_rest_greedy_output_is_identical_to_ar_and_accepts(own):
+    store, loaded, ar = own
+    drafter = make_drafter("rest", Datastore.open(store, "own", loaded.info, dense=False))
+    mats = []
+    for prompt, expected in ar.items():
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected))
+        assert result.token_ids == expected
+        mats.append(result.stats.mat)
+    assert min(mats) > 1.5  # the datastore holds these very answers
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=12))
+def test_rest_matches_ar_on_random_prompts(own, prompt):
+    store, loaded, _ = own
+    drafter = make_drafter("rest", Datastore.open(store, "own", loaded.info, dense=False))
+    ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=16)
+    assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=16).token_ids == ar.token_ids
