@@ -35,6 +35,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise SpecstoreError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise SpecstoreError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the terminal shows the answer, not weight-loading bars
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.method in DATASTORE_METHODS:
         device = next(loaded.model.parameters()).device

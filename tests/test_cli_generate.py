@@ -1,0 +1,97 @@
+"""`specstore generate`: streaming, --json, and one clear error line for every bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from specstore.runtime.cli import main
+from tests.datastore_helpers import tiny_datastore
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    store, loaded, manifest = tiny_datastore(folder)
+    store.set_tag("code@1", "prod")
+    return folder, manifest
+
+
+def run(capsys, folder, *args):
+    code = main(["generate", "--store", str(folder / "store"), "--model", str(folder / "model"),
+                 "--prompt", "def add(a, b):", "--max-new-tokens", "8", "--dtype", "float32", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def error_line(code, err) -> str:
+    assert code == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if "specstore" in line]  # fixtures' own progress bars aside
+    assert len(lines) == 1 and lines[0].startswith("specstore: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "rest", "dresd"])
+def test_json_output_is_identical_across_methods(capsys, tiny, method):
+    folder, _ = tiny
+    code, out, _ = run(capsys, folder, "--method", method, "--datastore", "code@prod", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["token_ids"]) == 8 and isinstance(result["text"], str)
+    for key in ("steps", "mat", "accepted_per_step", "drafting_s", "verifying_s"):
+        assert key in result["stats"]
+    code, ar_out, _ = run(capsys, folder, "--method", "ar", "--json")
+    assert json.loads(ar_out)["token_ids"] == result["token_ids"]
+
+
+def test_streams_text_and_a_summary(capsys, tiny):
+    folder, _ = tiny
+    code, out, err = run(capsys, folder, "--method", "rest", "--datastore", "code")
+    assert code == 0 and out.strip() and "[rest] 8 tokens" in err
+
+
+@pytest.mark.parametrize(
+    "ref, message",
+    [("chat", "no datastore named 'chat'"), ("code@7", "no version 7"), ("code@beta", "no tag 'beta'"), ("Bad Name", "invalid datastore name")],
+)
+def test_unknown_references(capsys, tiny, ref, message):
+    folder, _ = tiny
+    code, _, err = run(capsys, folder, "--method", "dresd", "--datastore", ref)
+    assert message in error_line(code, err)
+
+
+def test_missing_datastore_and_store(capsys, tiny, tmp_path):
+    folder, _ = tiny
+    code, _, err = run(capsys, folder, "--method", "rest")
+    assert "needs --datastore" in error_line(code, err)
+    code = main(["generate", "--store", str(tmp_path / "none"), "--datastore", "code", "--method", "rest", "--prompt", "x"])
+    assert "does not exist" in error_line(code, capsys.readouterr().err)
+
+
+def test_tokenizer_mismatch_names_the_field(capsys, tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder, _ = tiny
+    other = tmp_path / "model"
+    shutil.copytree(folder / "model", other)
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.add_special_tokens({"additional_special_tokens": ["<|specstore-test|>"]})
+    tok.save_pretrained(str(other))
+    code = main(["generate", "--store", str(folder / "store"), "--model", str(other), "--datastore", "code",
+                 "--method", "rest", "--prompt", "x", "--dtype", "float32"])
+    assert "'tokenizer_hash' does not match" in error_line(code, capsys.readouterr().err)
+
+
+def test_corrupted_files_fail_with_one_line(capsys, tmp_path):
+    store, _, manifest = tiny_datastore(tmp_path)
+    for rel in ("suffix_array.npy", "table"):
+        if rel == "table":
+            path = store.root / next(k for k in manifest.files if k.endswith(".lance"))
+        else:
+            path = store.files_dir("code", manifest.build_id) / rel
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x55
+        path.write_bytes(bytes(data))
+        code = main(["generate", "--store", str(store.root), "--model", str(tmp_path / "model"), "--datastore", "code",
+                     "--method", "dresd", "--prompt", "x", "--dtype", "float32"])
+        assert "fails its checksum" in error_line(code, capsys.readouterr().err)
