@@ -120,3 +120,96 @@ def test_stored_vectors_equal_a_fresh_query_transform(tmp_path):
     assert np.allclose(query.numpy(), row["embedding"], atol=1e-4)
     found = ds.dense.search(query, 1, next_token=row["continuation"][0])
     assert ds.continuations[found.rows[0]].tolist() == row["continuation"]
+
+
+def pipeline_store(folder, model, records: list[dict], name: str):
+    """A datastore built by the real pipeline (DirectRunner) from JSONL records."""
+    import json
+
+    from specstore.pipelines.build import build
+
+    corpus = folder / f"{name}.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return build(folder / "store", name, [str(corpus)], model=model, pca_dims=8, progress=False, tag="prod").manifest
+
+
+def check_methods_match_ar(ds, loaded, prompts, max_new_tokens) -> dict[str, float]:
+    from specstore.runtime.api import generate
+    from specstore.runtime.drafters.registry import make_drafter
+
+    mats = {}
+    for method in ("rest", "dresd"):
+        drafter = make_drafter(method, ds)
+        total = 0.0
+        for prompt in prompts:
+            ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=max_new_tokens).token_ids
+            result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=max_new_tokens)
+            assert result.token_ids == ar, (method, prompt)
+            total += result.stats.mat
+        mats[method] = total / len(prompts)
+    return mats
+
+
+def test_pipeline_built_datastore_opens_and_decodes(tmp_path):
+    from specstore.runtime.models import load_model
+    from tests.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model")
+    loaded = load_model(str(model), dtype="float32", device="cpu")
+    answers = {p: generate_text(loaded, p) for p in ("def add(a, b):", "Name three colours.")}
+    records = [{"instruction": p, "output": a} for p, a in answers.items()]
+    manifest = pipeline_store(tmp_path, str(model), records, "tiny")
+    ds = Datastore.open(tmp_path / "store", "tiny@prod", loaded.info)
+    # the stored vectors are what the runtime computes for a live query (same normaliser)
+    table = ds.store.open_table(manifest.tokens_table).to_arrow().to_pylist()
+    doc = [r for r in table if r["doc_id"] == table[0]["doc_id"]]
+    doc.sort(key=lambda r: r["position"])
+    ids = [r["token_id"] for r in doc]
+    hidden = hidden_states(loaded.model, torch.tensor([ids[:10]]))[0, -1]
+    assert np.allclose(ds.normaliser.apply_torch(hidden).numpy(), doc[9]["embedding"], atol=1e-3)
+    mats = check_methods_match_ar(ds, loaded, list(answers), 16)
+    assert mats["rest"] > 1.0 and mats["dresd"] > 1.0  # the datastore holds the model's own answers
+    # another model with the same tokenizer is refused, naming the field
+    other = load_model(str(make_tiny_model(tmp_path / "other", hidden=48)), dtype="float32", device="cpu")
+    with pytest.raises(ManifestMismatchError, match="'hidden_size'"):
+        Datastore.open(tmp_path / "store", "tiny", other.info)
+    stream = ds.store.files_dir("tiny", manifest.build_id) / "stream.npy"
+    stream.write_bytes(stream.read_bytes()[:-4] + b"\x01\x02\x03\x04")
+    with pytest.raises(ChecksumError, match="stream.npy"):
+        Datastore.open(tmp_path / "store", "tiny", loaded.info)
+
+
+def generate_text(loaded, prompt: str) -> str:
+    from specstore.runtime.api import generate
+
+    return generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=24).text
+
+
+CODE_RECORDS = [
+    {"instruction": "Write a Python function that adds two numbers.", "output": "def add(a, b):\n    return a + b"},
+    {"instruction": "Write a Python function that reverses a string.", "output": "def reverse(s):\n    return s[::-1]"},
+    {"instruction": "Write a Python function that returns the maximum of a list.",
+     "output": "def maximum(values):\n    best = values[0]\n    for v in values:\n        if v > best:\n            best = v\n    return best"},
+]
+CHAT_RECORDS = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "The capital of France is Paris."}]},
+    {"messages": [{"role": "user", "content": "Give me a tip for sleeping well."},
+                  {"role": "assistant", "content": "Go to bed at the same time every night and keep your room dark and cool."}]},
+]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_default_model_code_and_chat_datastores_match_ar(tmp_path):
+    from specstore.runtime.models import load_model
+
+    loaded = load_model(None, dtype="float32", device="cpu")
+    for name, records, prompts in [
+        ("code", CODE_RECORDS, ["Write a Python function that reverses a string."]),
+        ("chat", CHAT_RECORDS, ["What is the capital of France?"]),
+    ]:
+        pipeline_store(tmp_path, None, records, name)
+        ds = Datastore.open(tmp_path / "store", f"{name}@prod", loaded.info)
+        mats = check_methods_match_ar(ds, loaded, prompts, 32)
+        assert all(m >= 1.0 for m in mats.values())
