@@ -1,0 +1,148 @@
+"""The tree verifier against brute force: per-node logits equal a plain forward of each
+root-to-node path, the cache after a step equals plain decoding's, and the batch fallback
+agrees with tree attention. Llama (sdpa and eager), GPT-2 and Qwen2 tiny random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specstore.runtime.sampling import Sampling
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import TreeVerifier, ancestor_matrix, clip_depth, tree_attention_inputs
+from tests.decoding_helpers import FAMILIES, tiny
+
+CASES = [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gpt2", "eager")]
+
+
+def random_tree(rng: np.random.Generator, vocab: int, num_nodes: int) -> DraftTree:
+    parents = [int(rng.integers(-1, i)) for i in range(num_nodes)]
+    return DraftTree(rng.integers(3, vocab, size=num_nodes), parents)
+
+
+@torch.inference_mode()
+def plain_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def test_ancestor_matrix_and_inputs():
+    #        pending
+    #        /     \
+    #      n0       n2
+    #      |
+    #      n1
+    tree = DraftTree([10, 11, 12], [-1, 0, -1])
+    anc = ancestor_matrix(tree)
+    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=bool)
+    assert (anc == expected).all()
+    pos, mask = tree_attention_inputs(tree, 5, torch.float32, torch.device("cpu"))
+    assert pos.tolist() == [[5, 6, 7, 6]]
+    assert mask.shape == (1, 1, 4, 9)
+    assert (mask[0, 0, :, :5] == 0).all()  # the whole prefix is visible to every node
+    minimum = torch.finfo(torch.float32).min
+    assert torch.equal(mask[0, 0, :, 5:] == 0, torch.as_tensor(expected))
+    assert (mask[0, 0, :, 5:][~torch.as_tensor(expected)] == minimum).all()
+
+
+def test_clip_depth_reindexes():
+    tree = DraftTree.from_paths([[1, 2, 3], [1, 4], [5, 6, 7, 8]])
+    clipped = clip_depth(tree, 2)
+    assert clipped.depths().max() == 2
+    assert [clipped.tokens[clipped.path_to(n[-1])].tolist() for n in clipped.meta["path_nodes"]] == [[1, 2], [1, 4], [5, 6]]
+    assert clip_depth(tree, 0).tokens.tolist() == []
+    assert clip_depth(tree, 9) is tree
+
+
+@pytest.mark.parametrize("family,attn", CASES)
+def test_tree_logits_match_per_path_forward(family, attn):
+    model, _ = tiny(family, attn)
+    rng = np.random.default_rng(1)
+    vocab = model.config.vocab_size
+    for num_nodes in (1, 5, 12):
+        prompt = rng.integers(3, vocab, size=int(rng.integers(2, 20))).tolist()
+        pending = int(rng.integers(3, vocab))
+        tree = random_tree(rng, vocab, num_nodes)
+        verifier = TreeVerifier(model)
+        verifier.prefill(prompt)
+        logits, _ = verifier.tree_logits(pending, tree)
+        torch.testing.assert_close(logits[0], plain_logits(model, prompt + [pending]), atol=1e-4, rtol=1e-4)
+        for node in range(num_nodes):
+            path = tree.tokens[tree.path_to(node)].tolist()
+            torch.testing.assert_close(logits[node + 1], plain_logits(model, prompt + [pending] + path), atol=1e-4, rtol=1e-4)
+
+
+def greedy_reference(model, ids: list[int], n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(int(plain_logits(model, ids + out).argmax()))
+    return out
+
+
+@torch.inference_mode()
+def plain_cache(model, ids: list[int]) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("family,attn", CASES)
+@pytest.mark.parametrize("fallback", [False, True])
+def test_step_accepts_path_and_cache_equals_plain_decoding(family, attn, fallback):
+    model, _ = tiny(family, attn)
+    rng = np.random.default_rng(2)
+    vocab = model.config.vocab_size
+    prompt = rng.integers(3, vocab, size=9).tolist()
+    verifier = TreeVerifier(model, Sampling())
+    verifier.tree_attention = not fallback
+    pending = verifier.prefill(prompt).result.bonus
+    ref = greedy_reference(model, prompt + [pending], 4)
+    # the right path is the *second* branch, so compaction must re-index (not just crop)
+    wrong = [(ref[0] + 1) % vocab, ref[1]]
+    tree = DraftTree.from_paths([wrong, ref[:3] + [(ref[3] + 7) % vocab], [ref[0], (ref[1] + 5) % vocab]])
+    out = verifier.step(pending, tree)
+    assert out.result.accepted_tokens == ref[:3]
+    assert out.result.bonus == ref[3]
+    assert [int(tree.tokens[i]) for i in out.result.accepted_nodes] == ref[:3]
+    committed = prompt + [pending] + ref[:3]
+    expected = plain_cache(model, committed)
+    assert verifier.num_cached == len(committed)
+    for got, want in zip(verifier.cache.layers, expected.layers, strict=True):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logits, plain_logits(model, committed), atol=1e-4, rtol=1e-4)
+    # the next 1-token step continues exactly like plain decoding
+    nxt = verifier.step(ref[3], DraftTree.empty())
+    assert nxt.result.bonus == greedy_reference(model, committed + [ref[3]], 1)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rejected_tree_keeps_only_pending(family):
+    model, _ = tiny(family)
+    prompt = list(range(5, 15))
+    verifier = TreeVerifier(model)
+    pending = verifier.prefill(prompt).result.bonus
+    ref = greedy_reference(model, prompt + [pending], 1)[0]
+    tree = DraftTree.from_paths([[(ref + 1) % 1000 + 3, 4, 5], [(ref + 2) % 1000 + 3]])
+    out = verifier.step(pending, tree)
+    assert out.result.accepted_tokens == [] and out.result.bonus == ref
+    assert verifier.num_cached == len(prompt) + 1
+    torch.testing.assert_close(out.hidden.shape[-1], model.config.hidden_size)
+
+
+def test_sliding_window_model_falls_back_to_batches():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, use_sliding_window=True, sliding_window=6,
+                         max_window_layers=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    verifier = TreeVerifier(model)
+    assert not verifier.tree_attention
+    prompt = list(range(20, 40))
+    pending = verifier.prefill(prompt).result.bonus
+    ref = greedy_reference(model, prompt + [pending], 3)
+    out = verifier.step(pending, DraftTree.from_paths([[ref[0], 99], ref[:2]]))
+    assert out.result.accepted_tokens == ref[:2] and out.result.bonus == ref[2]
