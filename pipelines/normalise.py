@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 from specstore.runtime.normaliser import _EPS, Normaliser
 
 

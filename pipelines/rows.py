@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-
 from specstore.schemas.tables import PAD_TOKEN, tokens_schema
 
 

@@ -16,8 +16,13 @@ from pathlib import Path
 import apache_beam as beam
 import numpy as np
 from apache_beam.utils import shared
-
-from specstore.pipelines.embed import StagedBatch, embed_documents, generate_responses, load_staged, save_staged
+from specstore.pipelines.embed import (
+    StagedBatch,
+    embed_documents,
+    generate_responses,
+    load_staged,
+    save_staged,
+)
 from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.render import Document, Rejection, prepare
