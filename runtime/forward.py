@@ -19,18 +19,20 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     return out.last_hidden_state.float()
 
 
-def forward_with_hidden(model, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """One forward returning ``(logits [B, T, V], last hidden [B, T, H], past cache)``.
+def forward_with_hidden(model, logits_to_keep: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """One forward returning ``(logits [B, T', V], last hidden [B, T, H], past cache)``.
 
     Runs the base model and the output head separately where that is exactly what the model's
     own forward does, so the hidden state comes free; otherwise asks for all hidden states.
+    ``logits_to_keep`` > 0 computes logits for the last that many positions only (T' = it; a
+    long prompt's prefill needs one row, not T x V); 0 keeps all (T' = T).
     """
     if _plain_head(model):
         out = model.base_model(**kwargs)
         hidden = out.last_hidden_state
-        logits = model.get_output_embeddings()(hidden)
+        logits = model.get_output_embeddings()(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return logits, hidden, _cache_of(out)
-    out = model(**kwargs, output_hidden_states=True)
+    out = model(**kwargs, output_hidden_states=True, logits_to_keep=logits_to_keep)
     return out.logits, out.hidden_states[-1], _cache_of(out)
 
 

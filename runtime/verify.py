@@ -12,6 +12,7 @@ Invariant: the cache holds every committed token except the last one (the *pendi
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,12 @@ class TreeVerifier:
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.tree_attention = supports_tree_attention(model, self.cache)
+        if not self.tree_attention:
+            warnings.warn(
+                f"{type(model).__name__} cannot take a tree attention mask here (sliding-window cache or "
+                "flash attention): verifying drafts as a batch of paths, one extra forward per step",
+                stacklevel=2,
+            )
 
     @property
     def num_cached(self) -> int:
@@ -111,7 +118,7 @@ class TreeVerifier:
         """Run the prompt; its last token's logits choose the first generated token (the bonus)."""
         assert self.num_cached == 0, "prefill runs once per request"
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        logits, hidden = self._forward(ids, self.cache)
+        logits, hidden = self._forward(ids, self.cache, logits_to_keep=1)
         last = logits[0, -1]
         return StepOutput(VerifyResult([], [], pick(last, self.sampling), 0), hidden[0, -1], last)
 
@@ -150,11 +157,21 @@ class TreeVerifier:
             return self._step_batched(pending, tree)
         num_before = self.num_cached
         logits, hidden = self.tree_logits(pending, tree)
-        accepted, bonus = accept(logits, tree, self.sampling)
+        accepted, bonus, relaxed = self._accept(logits, tree)
         self.compact(num_before, tree, accepted)
         row = accepted[-1] + 1 if accepted else 0
         tokens = tree.tokens[accepted].tolist()
-        return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree)), hidden[row], logits[row])
+        return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree), relaxed), hidden[row], logits[row])
+
+    def _accept(self, logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int, list[bool]]:
+        """``sampling.accept``, unless the drafter set the optional hook ``tree.meta["acceptance"]``
+        (ReSpec's relaxed rule, relaxed.py): ``hook(logits, tree, sampling) -> (accepted, bonus,
+        relaxed flags per accepted node)``. A lossy hook is the drafter's to declare (``lossless``)."""
+        hook = tree.meta.get("acceptance")
+        if hook is None:
+            accepted, bonus = accept(logits, tree, self.sampling)
+            return accepted, bonus, []
+        return hook(logits, tree, self.sampling)
 
     def _step_batched(self, pending: int, tree: DraftTree) -> StepOutput:
         """Fallback without tree attention: every root-to-leaf path is one row of a batch over a
@@ -181,8 +198,8 @@ class TreeVerifier:
         index_b = torch.tensor([w[0] for w in where], device=self.device)
         index_t = torch.tensor([w[1] for w in where], device=self.device)
         node_logits, node_hidden = logits[index_b, index_t], hidden[index_b, index_t]
-        accepted, bonus = accept(node_logits, tree, self.sampling)
+        accepted, bonus, relaxed = self._accept(node_logits, tree)
         tokens = tree.tokens[accepted].tolist()
         self._forward(torch.tensor([[pending, *tokens]], dtype=torch.long, device=self.device), self.cache)
         row = accepted[-1] + 1 if accepted else 0
-        return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree)), node_hidden[row], node_logits[row])
+        return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree), relaxed), node_hidden[row], node_logits[row])

@@ -139,7 +139,8 @@ def test_sliding_window_model_falls_back_to_batches():
                          max_window_layers=0)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    verifier = TreeVerifier(model)
+    with pytest.warns(UserWarning, match="batch of paths"):
+        verifier = TreeVerifier(model)
     assert not verifier.tree_attention
     prompt = list(range(20, 40))
     pending = verifier.prefill(prompt).result.bonus
