@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
 from specstore.runtime.decode import DecodeStats, decode
 from specstore.runtime.drafters.base import Drafter
 from specstore.runtime.drafters.registry import make_drafter

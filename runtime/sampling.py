@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from specstore.runtime.tree import DraftTree
 
 

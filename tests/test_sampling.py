@@ -8,11 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from specstore.runtime.decode import decode
 from specstore.runtime.sampling import Sampling, accept, target_probs
 from specstore.runtime.tree import DraftTree
-from tests.decoding_helpers import tiny
 
 V = 6
 N = 12000
