@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 from specstore.runtime.decode import DecodeStats, decode
@@ -34,7 +35,7 @@ def prompt_ids(tokenizer, prompt_or_messages: str | Sequence) -> list[int]:
     """Token ids for a string (sent as one user message), a list of chat messages
     (``{"role", "content"}`` dicts), or a list of token ids (used as given)."""
     item = prompt_or_messages
-    if isinstance(item, Sequence) and not isinstance(item, str) and all(isinstance(t, int) for t in item):
+    if isinstance(item, Sequence) and not isinstance(item, str) and all(isinstance(t, Integral) for t in item):
         return list(item)
     messages = [{"role": "user", "content": item}] if isinstance(item, str) else list(item)
     if getattr(tokenizer, "chat_template", None):

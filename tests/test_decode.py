@@ -107,6 +107,30 @@ def test_drafts_never_run_past_the_context(family):
     assert all(length + budget + 1 <= ctx for length, budget in seen)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafters_see_the_hidden_state_and_logits_of_the_last_processed_token(family):
+    """DReSD queries with ``last_hidden`` (the target's state at tokens[-2]); ReSpec reads the
+    entropy of ``last_logits``. Both must equal a plain forward's, after accepted trees too."""
+    model, _ = tiny(family)
+    prompt = list(range(400, 420))
+    ref = run(model, prompt, make_drafter("ar"), 16).token_ids
+    seen = []
+
+    class Spy(OracleDrafter):
+        def propose(self, state):
+            seen.append((list(state.tokens), state.last_hidden.clone(), state.last_logits.clone()))
+            return super().propose(state)
+
+    run(model, prompt, Spy(ref, model.config.vocab_size, depth=4), 16)
+    assert len(seen) >= 3
+    with torch.inference_mode():
+        for tokens, hidden, logits in seen:
+            out = model(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True)
+            torch.testing.assert_close(hidden, out.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits, out.logits[0, -1], atol=1e-4, rtol=1e-4)
+            assert int(logits.argmax()) == tokens[-1]
+
+
 def test_pld_drafts_from_the_context():
     from specstore.runtime.drafters.base import DecodeState
     from specstore.runtime.drafters.pld import PromptLookupDrafter
