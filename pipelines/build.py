@@ -1,41 +1,36 @@
-"""``specstore build``: plan a build, run the Beam pipeline, commit one new version.
+"""``specstore build``: decide what to build, run the Beam pipeline, commit one new version.
 
 Owns the driver: validating inputs up front (one clear SpecstoreError line for a missing path,
-an unknown format, an unwritable store, an unusable model), running the pipeline of
-transforms.py (or injecting a TestPipeline), then the commit sequence: the tokens table's single
-Lance commit, removal of the staging files, checksums, the manifest, ``Store.commit`` (the only
-step that makes the version visible) and the tag.
+an unknown format, an unwritable store, an unusable model), deciding with lineage.py whether the
+build is a no-op (same corpus content, settings and model as the newest version), a full build,
+an append or a refit, running the pipeline of transforms.py (or injecting a TestPipeline), and
+handing the result to commit.py, whose ``Store.commit`` is the only step that makes it visible.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import replace
 from pathlib import Path
 
+from specstore.pipelines.commit import PIPELINE_VERSION, BuildResult, finalise, plan_settings
 from specstore.pipelines.corpus import resolve_sources, source_sha256
+from specstore.pipelines.lineage import (
+    MODES,
+    BaseVersion,
+    fingerprint,
+    new_sources,
+    parent_settings,
+    refit_paths,
+)
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
-from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.errors import ManifestMismatchError, SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
-from specstore.runtime.store import Store, checksum_files, validate_name, validate_tag
-from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
-from specstore.schemas.manifest import Manifest, SourceInfo
-from specstore.schemas.tables import tokens_schema
+from specstore.runtime.store import Store, file_sha256, validate_name, validate_tag
 
-PIPELINE_VERSION = "build-1"
-
-
-@dataclass(frozen=True)
-class BuildResult:
-    manifest: Manifest
-    num_rejected: int
-    rejected_path: Path
-    seconds: float
+__all__ = ["BuildResult", "build", "make_plan", "run_pipeline", "run_from_args"]
 
 
 def make_plan(store: Store, name: str, corpus: list[str], *, fmt: str = "auto", model: str | None = None, **settings) -> BuildPlan:
@@ -71,83 +66,85 @@ def run_pipeline(plan: BuildPlan, *, runner: str = "DirectRunner", beam_args: li
         expand_build(p, plan)
 
 
-def finalise(store: Store, plan: BuildPlan, *, model_info, tag: str | None = None, started: float | None = None) -> BuildResult:
-    """Commit a build whose pipeline has finished: Lance commit, checksums, manifest, catalogue."""
-    import lance
-    from lance.fragment import FragmentMetadata
-
-    if not plan.summary_path.is_file():
-        raise SpecstoreError(f"build {plan.build_id} did not finish: no summary in {plan.staging_dir}")
-    summary = json.loads(plan.summary_path.read_text())
-    files_dir = Path(plan.files_dir)
-    if summary["num_documents"] == 0 or summary["num_rows"] == 0:
-        rejected = sum(s["num_records"] for s in summary["sources"].values())
-        raise SpecstoreError(
-            f"no usable documents: {rejected} records read, {summary['num_rejected']} rejected (reasons in {files_dir / REJECTED_FILE})"
-        )
-    if summary["num_rows"] != summary["num_tokens"]:
-        raise SpecstoreError(f"internal: {summary['num_rows']} table rows for {summary['num_tokens']} stream tokens")
-    schema = tokens_schema(plan.pca_dims, plan.continuation_length)
-    fragments = [FragmentMetadata.from_json(f) for f in summary["fragments"]]
-    dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments))
-    shutil.rmtree(plan.staging_dir, ignore_errors=True)
-
-    root = Path(plan.store_root)
-    table_dir = Path(plan.table_uri)
-    data_files = sorted(table_dir / "data" / f.path for frag in dataset.get_fragments() for f in frag.data_files())
-    version_files = [files_dir / n for n in (STREAM_FILE, SA_FILE, NORMALISER_FILE, REJECTED_FILE)] + data_files
-    files = checksum_files(root, [p.relative_to(root).as_posix() for p in version_files])
-    sources = [
-        SourceInfo(path=s.path, format=s.format, sha256=source_sha256(s), **summary["sources"][str(s.index)])
-        for s in plan.sources
-    ]
-    manifest = Manifest(
-        name=plan.name, build_id=plan.build_id, created_at=datetime.now(UTC), pipeline_version=PIPELINE_VERSION,
-        model=model_info, pca_dims=plan.pca_dims, continuation_length=plan.continuation_length,
-        num_documents=summary["num_documents"], num_tokens=summary["num_tokens"], num_rejected=summary["num_rejected"],
-        regenerated=plan.regenerate, sources=sources, tokens_table=Path(plan.table_uri).stem, files=files,
-        settings=_settings(plan), parent_version=_newest(store, plan.name), domain_centroid=summary["domain_centroid"],
-    )
-    committed = store.commit(manifest)
-    if tag is not None:
-        store.set_tag(f"{plan.name}@{committed.version}", tag)
-    return BuildResult(committed, summary["num_rejected"], files_dir / REJECTED_FILE, time.monotonic() - (started or time.monotonic()))
-
-
-def _settings(plan: BuildPlan) -> dict:
-    keep = ("dtype", "max_docs", "max_doc_tokens", "max_new_tokens", "batch_tokens", "generate_batch", "fit_rows_per_batch", "spill_dtype")
-    return {k: getattr(plan, k) for k in keep} | {"model_path": plan.model_path}
-
-
-def _newest(store: Store, name: str) -> int | None:
-    versions = store.versions(name)
-    return versions[-1].version if versions else None
-
-
 def build(
     store: Store | str | Path, name: str, corpus: list[str], *, fmt: str = "auto", model: str | None = None,
     regenerate: bool = False, max_docs: int | None = None, max_doc_tokens: int = 2048, max_new_tokens: int = 256,
     pca_dims: int = 64, continuation_length: int = 10, batch_tokens: int = 4096, dtype: str = "float32",
     tag: str | None = None, runner: str = "DirectRunner", beam_args: list[str] | None = None, progress: bool = True,
-    test_pipeline=None,
+    test_pipeline=None, mode: str = "full", force: bool = False, normaliser: str | Path | None = None,
+    sa_shard_tokens: int | None = None,
 ) -> BuildResult:
-    """Build one new version of datastore ``name`` from ``corpus`` and commit it (see module doc)."""
+    """Build one new version of datastore ``name`` from ``corpus`` and commit it (see module doc).
+
+    ``mode``: ``full`` (the corpus as given), ``append`` (only the sources whose content the newest
+    version lacks, on top of its rows, stream and normaliser; its settings override the ones
+    given here) or ``refit`` (the newest version's corpus plus ``corpus``, all recomputed).
+    Without ``force``, a build that would reproduce the newest version commits nothing and returns
+    it with ``unchanged=True`` (``tag``, if given, is then set on it). ``normaliser``: a
+    normaliser.npz to reuse instead of fitting one.
+    """
     from specstore.runtime.models import load_model
 
     started = time.monotonic()
     store = store if isinstance(store, Store) else Store(store, create=True)
     if tag is not None:
         validate_tag(tag)
-    plan = make_plan(
-        store, name, corpus, fmt=fmt, model=model, regenerate=regenerate, max_docs=max_docs, max_doc_tokens=max_doc_tokens,
-        max_new_tokens=max_new_tokens, pca_dims=pca_dims, continuation_length=continuation_length,
-        batch_tokens=batch_tokens, dtype=dtype, progress=progress,
+    if mode not in MODES:
+        raise SpecstoreError(f"unknown build mode {mode!r}: choose one of {', '.join(MODES)}")
+    versions = store.versions(validate_name(name))
+    parent = versions[-1] if versions else None
+    if mode != "full" and parent is None:
+        raise SpecstoreError(f"--{mode} needs an existing version of '{name}' in {store.root}")
+    settings = dict(
+        regenerate=regenerate, max_doc_tokens=max_doc_tokens, max_new_tokens=max_new_tokens, pca_dims=pca_dims,
+        continuation_length=continuation_length, batch_tokens=batch_tokens, dtype=dtype,
     )
-    info = load_model(model, dtype=dtype).info  # fails early and cleanly; fingerprints the model as the runtime does
-    if pca_dims > info.hidden_size:
-        raise SpecstoreError(f"pca-dims {pca_dims} exceeds the model's hidden size {info.hidden_size}")
+    normaliser_from = None
+    if mode == "append":
+        settings |= parent_settings(parent.manifest)
+        normaliser = store.files_dir(name, parent.build_id) / NORMALISER_FILE
+        normaliser_from = parent.build_id
+    elif mode == "refit":
+        corpus = refit_paths(parent.manifest, list(corpus))
+    elif normaliser is not None:
+        normaliser_from = file_sha256(Path(normaliser))
+    plan = make_plan(store, name, corpus, fmt=fmt, model=model, max_docs=max_docs, progress=progress, sa_shard_tokens=sa_shard_tokens, **settings)
+    info = load_model(model, dtype=plan.dtype).info  # fails early and cleanly; fingerprints the model as the runtime does
+    if plan.pca_dims > info.hidden_size:
+        raise SpecstoreError(f"pca-dims {plan.pca_dims} exceeds the model's hidden size {info.hidden_size}")
+    hashes = [source_sha256(s) for s in plan.sources]
+    base_sources = []
+    if mode == "append":
+        for field in ("tokenizer_hash", "vocab_size", "hidden_size", "revision"):
+            if getattr(parent.manifest.model, field) != getattr(info, field):
+                raise ManifestMismatchError(field, getattr(parent.manifest.model, field), getattr(info, field))
+        sources, hashes = new_sources(parent.manifest, list(plan.sources), hashes)
+        if not sources:
+            return _unchanged(store, parent, tag, started)
+        plan = replace(plan, sources=tuple(sources), base=BaseVersion.of(store, parent), normaliser_path=str(normaliser))
+        base_sources = list(parent.manifest.sources)
+    else:
+        if normaliser is not None:
+            plan = replace(plan, normaliser_path=str(normaliser))
+        wanted = fingerprint(
+            plan_settings(plan, normaliser_from), sources=[(s.format, h) for s, h in zip(plan.sources, hashes, strict=True)],
+            model=info, pipeline_version=PIPELINE_VERSION, pca_dims=plan.pca_dims,
+            continuation_length=plan.continuation_length, regenerated=plan.regenerate,
+        )
+        if parent is not None and not force and fingerprint(parent.manifest) == wanted:
+            return _unchanged(store, parent, tag, started)
     run_pipeline(plan, runner=runner, beam_args=beam_args, test_pipeline=test_pipeline)
-    return finalise(store, plan, model_info=info, tag=tag, started=started)
+    return finalise(
+        store, plan, model_info=info, hashes=hashes, mode=mode, base_sources=base_sources,
+        normaliser_from=normaliser_from, tag=tag, started=started,
+    )
+
+
+def _unchanged(store: Store, parent, tag: str | None, started: float) -> BuildResult:
+    if tag is not None:
+        store.set_tag(f"{parent.name}@{parent.version}", tag)
+    files = store.files_dir(parent.name, parent.build_id)
+    return BuildResult(parent.manifest, parent.manifest.num_rejected, files / REJECTED_FILE, time.monotonic() - started, unchanged=True)
 
 
 def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
@@ -158,16 +155,22 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
         raise
     except OSError as exc:
         raise SpecstoreError(f"store {args.store} is not usable: {exc}") from None
+    mode = "append" if getattr(args, "append", False) else "refit" if getattr(args, "refit", False) else "full"
     result = build(
         store, args.name, args.corpus, fmt=args.format, model=args.model, regenerate=args.regenerate,
         max_docs=args.max_docs, max_doc_tokens=args.max_doc_tokens, max_new_tokens=args.max_new_tokens,
         pca_dims=args.pca_dims, continuation_length=args.continuation_length, batch_tokens=args.batch_tokens,
         dtype=args.dtype, tag=args.tag, runner=args.runner, beam_args=extra_beam_args, progress=sys.stderr.isatty(),
+        mode=mode, force=getattr(args, "force", False), sa_shard_tokens=getattr(args, "sa_shard_tokens", None),
     )
     m = result.manifest
     tag = f" (tag {args.tag})" if args.tag else ""
+    if result.unchanged:
+        print(f"{m.name}@{m.version}{tag}: unchanged (same corpus content, settings and model); no new version")
+        return 0
+    added = f", {m.lineage.added_documents} added by {mode}" if mode != "full" and m.lineage else ""
     print(
-        f"{m.name}@{m.version}{tag}: {m.num_documents} documents, {m.num_tokens} tokens, {m.num_rejected} rejected "
+        f"{m.name}@{m.version}{tag}: {m.num_documents} documents{added}, {m.num_tokens} tokens, {m.num_rejected} rejected "
         f"(see {result.rejected_path}) in {result.seconds:.1f} s"
     )
     return 0

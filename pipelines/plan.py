@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specstore.pipelines.corpus import Source
+from specstore.pipelines.lineage import BaseVersion
 
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "summary.json"
@@ -37,6 +38,9 @@ class BuildPlan:
     fit_rows_per_batch: int | None = 1024
     spill_dtype: str = "float32"
     progress: bool = True
+    base: BaseVersion | None = None  # append: the parent version whose rows and stream come first
+    normaliser_path: str | None = None  # a normaliser to reuse instead of fitting one
+    sa_shard_tokens: int | None = None  # build the suffix array in shards of at most this many tokens
 
     @property
     def staging_dir(self) -> Path:
@@ -46,8 +50,15 @@ class BuildPlan:
     def summary_path(self) -> Path:
         return self.staging_dir / SUMMARY_FILE
 
+    def source(self, index: int) -> Source:
+        """The source numbered ``index`` (an append numbers its sources after the parent's)."""
+        for s in self.sources:
+            if s.index == index:
+                return s
+        raise KeyError(index)
+
     def source_path(self, index: int) -> str:
-        return self.sources[index].path
+        return self.source(index).path
 
     def source_format(self, index: int) -> str:
-        return self.sources[index].format
+        return self.source(index).format

@@ -28,7 +28,7 @@ from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.render import Document, Rejection, prepare
 from specstore.pipelines.rows import rows_table
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
-from specstore.runtime.suffix_array import build_suffix_array, join_documents, save_suffix_index
+from specstore.runtime.suffix_array import STREAM_FILE, build_suffix_array, join_documents, save_suffix_index
 from specstore.schemas.tables import tokens_schema
 
 _SHARED = shared.Shared()  # one handle per process: models are loaded once per worker
@@ -165,15 +165,31 @@ def fit_and_save(stats: NormStats | None, plan: BuildPlan) -> Normaliser | None:
     return normaliser
 
 
+def reuse_normaliser(_, plan: BuildPlan) -> Normaliser:
+    """Copy the normaliser an append (or a fixed-normaliser build) reuses into this build's files."""
+    normaliser = Normaliser.load(Path(plan.normaliser_path))
+    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
+    normaliser.save(Path(plan.files_dir) / NORMALISER_FILE)
+    return normaliser
+
+
 def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> dict:
-    """Join all documents in doc_id order, build and save the suffix array; return the layout."""
+    """Join all documents in doc_id order (after the parent's stream, for an append), build and
+    save the suffix array; return the layout: each new document's stream start and the totals."""
     docs = sorted(docs, key=lambda d: d[0])
     stream, starts = join_documents([tokens for _, tokens in docs])
+    base = plan.base
+    if base is not None:
+        base_stream = np.load(Path(base.files_dir) / STREAM_FILE)
+        stream, starts = np.concatenate([base_stream, stream]), starts + len(base_stream)
     save_suffix_index(Path(plan.files_dir), stream, build_suffix_array(stream))
+    num_new = int(sum(len(t) for _, t in docs))
     return {
         "starts": {doc: int(start) for (doc, _), start in zip(docs, starts, strict=True)},
-        "num_documents": len(docs),
-        "num_tokens": int(sum(len(t) for _, t in docs)),
+        "num_new_documents": len(docs),
+        "num_new_tokens": num_new,
+        "num_documents": len(docs) + (base.num_documents if base else 0),
+        "num_tokens": num_new + (base.num_tokens if base else 0),
     }
 
 

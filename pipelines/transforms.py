@@ -90,11 +90,14 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         | "BatchDocuments" >> _Batch(plan.batch_tokens)
         | "Embed" >> beam.ParDo(steps.EmbedFn(plan)).with_outputs("stats", main="staged")
     )
-    normaliser = (
-        embedded.stats
-        | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
-        | "FitNormaliser" >> beam.Map(steps.fit_and_save, plan=plan)
-    )
+    if plan.normaliser_path is not None:  # append: the parent's normaliser, so old rows stay valid
+        normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(steps.reuse_normaliser, plan=plan)
+    else:
+        normaliser = (
+            embedded.stats
+            | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
+            | "FitNormaliser" >> beam.Map(steps.fit_and_save, plan=plan)
+        )
     layout = (
         documents
         | "DocTokens" >> beam.Map(lambda d: (d.doc_id, d.tokens))
@@ -127,11 +130,15 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
 def _write_summary(fragments: list[dict], plan: BuildPlan, layout: dict, num_rejected: int, read_counts: dict, rejected_counts: dict) -> dict:
     """Everything the driver needs to commit, as one small JSON file in the staging folder."""
     fragments = sorted(fragments, key=lambda f: f["first_offset"])
-    num_rows = sum(f["num_rows"] for f in fragments)
-    emb_sum = np.sum([f["embedding_sum"] for f in fragments], axis=0) if fragments else None
+    base = plan.base
+    num_rows = sum(f["num_rows"] for f in fragments) + (base.num_tokens if base else 0)
+    sums = [f["embedding_sum"] for f in fragments] + ([list(base.embedding_sum)] if base and base.embedding_sum else [])
+    emb_sum = np.sum(sums, axis=0) if sums else None
     summary = {
         "num_documents": layout["num_documents"],
         "num_tokens": layout["num_tokens"],
+        "num_new_documents": layout["num_new_documents"],
+        "num_new_tokens": layout["num_new_tokens"],
         "num_rows": num_rows,
         "num_rejected": num_rejected,
         "fragments": [frag for f in fragments for frag in f["fragments"]],

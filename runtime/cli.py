@@ -49,6 +49,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype for embedding (default float32)")
     p.add_argument("--tag", default=None, help="tag the new version (e.g. prod, 2026-11-29)")
     p.add_argument("--runner", default="DirectRunner", help="Beam runner (default DirectRunner)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--append", action="store_true", help="add the corpora the newest version lacks, reusing its rows and normaliser (its settings win)")
+    mode.add_argument("--refit", action="store_true", help="rebuild the newest version's corpora plus these, refitting the normaliser")
+    p.add_argument("--force", action="store_true", help="build even when corpus content, settings and model are unchanged")
     p.set_defaults(handler=_cmd_build, accepts_extra=True)
 
     p = sub.add_parser("versions", help="list the versions of a datastore", description="List versions with tags, counts and creation time.")
@@ -62,6 +66,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", required=True, metavar="NAME@VERSION", help="NAME, NAME@VERSION or NAME@TAG")
     p.add_argument("--tag", required=True)
     p.set_defaults(handler=_cmd_tag)
+
+    p = sub.add_parser(
+        "gc",
+        help="remove old untagged versions and unfinished builds",
+        description="Keep the newest N versions and every tagged one; remove the others (catalogue rows and files) and the "
+        "files of builds that never committed once untouched for the grace period. Readers that already opened a version keep working.",
+    )
+    _add_store(p)
+    p.add_argument("--name", required=True)
+    p.add_argument("--keep", type=int, required=True, metavar="N", help="newest versions to keep (>= 1)")
+    p.add_argument("--grace-seconds", type=float, default=6 * 3600, metavar="S", help="leave unfinished builds younger than this (default 6 h)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    p.set_defaults(handler=_cmd_gc)
 
     p = sub.add_parser(
         "generate",
@@ -80,6 +97,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g = p.add_argument_group("respec", "ReSpec thresholds (defaults and how they were measured: runtime/drafters/respec.py)")
+    g.add_argument("--entropy-threshold", type=float, default=None, metavar="NATS", help="retrieve only when the next-token entropy is below this")
+    g.add_argument("--score-threshold", type=float, default=None, metavar="TOKENS", help="draft only candidates whose EMA of accepted tokens reaches this")
+    g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
+    g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K")
+    g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's")
     p.set_defaults(handler=_cmd_generate)
 
     p = sub.add_parser(
@@ -170,6 +193,12 @@ def _cmd_tag(args: argparse.Namespace, extra: list[str]) -> int:
     record = Store(args.store).set_tag(args.ref, args.tag)
     print(f"{record.name}@{args.tag} -> version {record.version}")
     return 0
+
+
+def _cmd_gc(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.retention import run_gc_command
+
+    return run_gc_command(args)
 
 
 def _cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:

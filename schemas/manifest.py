@@ -48,6 +48,19 @@ class ModelInfo(BaseModel):
     hidden_layer: int = Field(-1, description="index into hidden_states; -1 = last layer (after final norm)")
 
 
+class Lineage(BaseModel):
+    """How a version relates to its parent: a full build, an append (new documents on top of
+    the parent's rows, stream and normaliser) or a refit (parent corpus + new, all recomputed)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: str = Field("full", description="full | append | refit")
+    added_sources: list[str] = Field(default_factory=list, description="corpus paths new in this version")
+    added_documents: int = 0
+    added_tokens: int = 0
+    normaliser_from: str | None = Field(None, description="build_id whose normaliser was reused (None: fitted here)")
+
+
 class Manifest(BaseModel):
     """Everything a reader needs to trust and use one datastore version."""
 
@@ -71,6 +84,7 @@ class Manifest(BaseModel):
     files: dict[str, FileInfo] = Field(default_factory=dict, description="file name -> checksum")
     settings: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     parent_version: int | None = None
+    lineage: Lineage | None = None
     domain_centroid: list[float] | None = Field(
         None, description="mean of the version's reduced embeddings (for domain routing)"
     )
