@@ -237,6 +237,13 @@ class Store:
             self._catalogue(VERSIONS_TABLE, VERSIONS_SCHEMA).add(pa.Table.from_pylist([row], schema=VERSIONS_SCHEMA))
         return committed
 
+    def delete_versions(self, name: str, versions: list[int]) -> None:
+        """Remove catalogue rows (one atomic Lance delete); the caller holds ``lock(name)`` and
+        never removes the newest version, so version numbers keep increasing."""
+        if versions:
+            wanted = ", ".join(str(int(v)) for v in versions)
+            self._catalogue(VERSIONS_TABLE, VERSIONS_SCHEMA).delete(f"name = '{validate_name(name)}' AND version IN ({wanted})")
+
     def set_tag(self, ref: str | Ref, tag: str) -> VersionRecord:
         """Point ``tag`` at the version ``ref`` resolves to (moving it if it pointed elsewhere)."""
         record = self.resolve(ref)
