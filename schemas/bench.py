@@ -26,6 +26,8 @@ class PromptRecord(BaseModel):
     retrieval_ms: list[float] = Field(default_factory=list, description="per-step drafting latency")
     identical_to_ar: bool | None = None
     first_diff: int | None = Field(None, description="first generated position differing from ar, if any")
+    prompt_ids: list[int] | None = Field(None, description="stored for ar only: the simulator's references")
+    output_ids: list[int] | None = Field(None, description="stored for ar only")
 
 
 class Summary(BaseModel):

@@ -1,0 +1,242 @@
+"""`specstore bench`: every method on every question, interleaved prompt by prompt, one run.
+
+Owns the run order (per question and turn: ar first, then each method, so machine noise hits
+all methods alike), timing, per-step drafting latency, identity to ar, transformers' own
+baselines (``hf``: greedy ``model.generate``; ``hf-pld``: its prompt lookup), and the result
+model (schemas/bench.py). Metrics are computed by metrics.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from specstore.runtime.api import generate, prompt_ids
+from specstore.runtime.bench.metrics import first_difference, summarise
+from specstore.runtime.bench.questions import Question, load_questions
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.models import load_model
+from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord
+
+HF_METHODS = ("hf", "hf-pld")
+NEEDS_DATASTORE = ("rest", "dresd", "respec")
+LOSSY_OPTIONS = ("relaxed",)
+
+
+def parse_options(items: list[str]) -> dict[str, dict]:
+    """``["rest.max_nodes=32", "dresd.k=3"]`` -> ``{"rest": {"max_nodes": 32}, "dresd": {"k": 3}}``."""
+    options: dict[str, dict] = defaultdict(dict)
+    for item in items:
+        key, eq, raw = item.partition("=")
+        method, dot, name = key.partition(".")
+        if not eq or not dot or not name:
+            raise SpecstoreError(f"option {item!r} is not METHOD.KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        options[method][name] = value
+    return dict(options)
+
+
+class TimedDrafter:
+    """Wraps a drafter to record each ``propose`` latency (the retrieval latency per step)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.lossless = inner, inner.name, getattr(inner, "lossless", True)
+        self.latencies_ms: list[float] = []
+
+    def reset(self, prompt: list[int]) -> None:
+        self.latencies_ms = []
+        self.inner.reset(prompt)
+
+    def propose(self, state):
+        start = time.perf_counter()
+        tree = self.inner.propose(state)
+        self.latencies_ms.append((time.perf_counter() - start) * 1000)
+        return tree
+
+    def observe(self, state, tree, result) -> None:
+        self.inner.observe(state, tree, result)
+
+
+class ForwardCounter:
+    """Counts the target's forward calls (for transformers' own generate)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+@dataclass(slots=True)
+class Outcome:
+    ids: list[int]
+    text: str
+    record: PromptRecord
+
+
+def _run_hf(method: str, model, tokenizer, ids: list[int], max_new_tokens: int, meta: dict) -> Outcome:
+    inputs = torch.tensor([ids], device=next(model.parameters()).device)
+    kwargs = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
+    counter = ForwardCounter(model)
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **kwargs)
+    finally:
+        counter.close()
+    wall = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    steps = max(counter.count, 1)
+    record = PromptRecord(method=method, num_tokens=len(new), steps=steps, accepted_per_step=[len(new)] if steps == 1 else [],
+                          num_drafted=0, num_accepted=0, wall_s=wall, drafting_s=0.0, verifying_s=wall, **meta)
+    # transformers does not expose per-step acceptance; MAT = tokens / forwards still holds
+    record = record.model_copy(update={"accepted_per_step": _spread(len(new), steps)})
+    return Outcome(new, tokenizer.decode(new, skip_special_tokens=True), record)
+
+
+def _spread(tokens: int, steps: int) -> list[int]:
+    """An even split of ``tokens`` over ``steps`` (only the sum and count are meaningful)."""
+    base, extra = divmod(tokens, steps)
+    return [base + (1 if i < extra else 0) for i in range(steps)]
+
+
+def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, temperature, seed, meta) -> Outcome:
+    start = time.perf_counter()
+    res = generate(model, tokenizer, ids, drafter=drafter, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    wall = time.perf_counter() - start
+    s = res.stats
+    record = PromptRecord(method=drafter.name, num_tokens=len(res.token_ids), steps=s.steps,
+                          accepted_per_step=list(s.accepted_per_step), num_drafted=s.num_drafted,
+                          num_accepted=s.num_accepted, num_relaxed=getattr(s, "num_relaxed", 0), wall_s=wall,
+                          drafting_s=s.drafting_s, verifying_s=s.verifying_s,
+                          retrieval_ms=[round(x, 4) for x in drafter.latencies_ms], **meta)
+    return Outcome(res.token_ids, res.text, record)
+
+
+def run_bench(*, store: str, datastore: str | None, questions: str, methods: list[str], limit=None, skip=0,
+              turns: int = 1, max_new_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
+              dtype: str = "bfloat16", device: str = "auto", options: dict | None = None,
+              progress: bool = True, command: str = "") -> BenchResult:
+    options = options or {}
+    methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs, first: it is the reference
+    qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
+    if not qs:
+        raise SpecstoreError(f"no questions selected from {questions}")
+    lm = load_model(model, dtype=dtype, device=device)
+    ds = None
+    if any(m in NEEDS_DATASTORE for m in methods):
+        if datastore is None:
+            raise SpecstoreError(f"methods {', '.join(m for m in methods if m in NEEDS_DATASTORE)} need --datastore")
+        ds = Datastore.open(store, datastore, model_info=lm.info, dense=any(m in ("dresd", "respec") for m in methods),
+                            device=next(lm.model.parameters()).device)
+    drafters = {m: TimedDrafter(make_drafter(m, datastore=ds, **options.get(m, {}))) for m in methods if m not in HF_METHODS}
+    lossless = {m: (True if m in HF_METHODS else bool(getattr(drafters[m], "lossless", True))) for m in methods}
+
+    # warm-up: first calls pay one-off costs (allocations, lazy imports) that are not decoding speed
+    generate(lm.model, lm.tokenizer, "Hello", drafter="ar", max_new_tokens=4)
+
+    records: list[PromptRecord] = []
+    bar = tqdm(total=len(qs) * turns, desc="bench", disable=not progress, dynamic_ncols=True)
+    for q in qs:
+        history: list[dict] = []
+        for turn, text in enumerate(q.turns[:turns], start=1):
+            history.append({"role": "user", "content": text})
+            if q.raw_prompt:
+                ids = lm.tokenizer(text)["input_ids"]
+            else:
+                ids = prompt_ids(lm.tokenizer, history)
+            meta = {"prompt_id": q.question_id, "category": q.category, "turn": turn}
+            ar_out = None
+            for m in methods:
+                if m in HF_METHODS:
+                    out = _run_hf(m, lm.model, lm.tokenizer, ids, max_new_tokens, meta)
+                else:
+                    out = _run_method(drafters[m], lm.model, lm.tokenizer, ids, max_new_tokens, temperature, 0, meta)
+                if m == "ar":
+                    ar_out = out
+                    out.record = out.record.model_copy(update={"prompt_ids": ids, "output_ids": out.ids})
+                elif temperature <= 0:
+                    diff = first_difference(ar_out.ids, out.ids)
+                    out.record = out.record.model_copy(update={"identical_to_ar": diff is None, "first_diff": diff})
+                records.append(out.record)
+            history.append({"role": "assistant", "content": ar_out.text})
+            bar.update(1)
+            bar.set_postfix_str(" ".join(f"{m}={_running_mat(records, m):.2f}" for m in methods))
+    bar.close()
+
+    by_method: dict[str, list[PromptRecord]] = defaultdict(list)
+    for r in records:
+        by_method[r.method].append(r)
+    results = {}
+    for m in methods:
+        recs = by_method[m]
+        overall = summarise(recs, by_method["ar"])
+        per_cat = {}
+        for cat in sorted({r.category for r in recs}):
+            cat_recs = [r for r in recs if r.category == cat]
+            per_cat[cat] = summarise(cat_recs, [r for r in by_method["ar"] if r.category == cat])
+        results[m] = MethodResult(**overall.model_dump(), lossless=lossless[m], per_category=per_cat)
+    dev = next(lm.model.parameters()).device
+    return BenchResult(
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        command=command,
+        machine={"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                 "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                 "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None},
+        device=str(dev),
+        dtype=dtype,
+        model=lm.info.model_id,
+        datastore=ds.ref if ds is not None else None,
+        manifest_sha256=hashlib.sha256(ds.manifest.model_dump_json().encode()).hexdigest() if ds is not None else None,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        questions=str(questions),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        methods=results,
+        prompts=records,
+    )
+
+
+def _running_mat(records: list[PromptRecord], method: str) -> float:
+    recs = [r for r in records if r.method == method]
+    steps = sum(r.steps for r in recs)
+    return sum(r.num_tokens for r in recs) / steps if steps else 0.0
+
+
+def run_bench_command(args) -> int:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    result = run_bench(store=args.store, datastore=args.datastore, questions=args.questions, methods=methods,
+                       limit=args.limit, skip=args.skip, turns=args.turns, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, model=args.model, dtype=args.dtype, device=args.device,
+                       options=parse_options(args.option), progress=sys.stderr.isatty() or True,
+                       command="specstore " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    from specstore.runtime.bench.report import markdown_table
+
+    print(markdown_table(result, "bench"))
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(result.model_dump_json(indent=1))
+        print(f"wrote {args.out}")
+    return 0
