@@ -1,0 +1,60 @@
+"""An interrupted rebuild, at any stage (inside the pipeline, after the tokens table's Lance
+commit, at the catalogue commit), leaves the newest complete version intact and readable; the
+next run completes the work, and gc removes what the failed runs left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from specstore.pipelines import commit, steps
+from specstore.pipelines.build import build
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.retention import collect
+from specstore.runtime.store import Store
+
+from tests.helpers import make_tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
+OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _fail(*args, **kwargs):
+    raise Interrupted("simulated crash")
+
+
+STAGES = {
+    "pipeline": (steps, "write_stream"),  # inside Beam, after embedding started
+    "table committed": (commit, "checksum_files"),  # the new tokens table exists, the catalogue row does not
+    "catalogue": (Store, "commit"),  # everything written, the single commit point fails
+}
+
+
+def test_interrupted_rebuild_at_any_stage(tmp_path, monkeypatch):
+    tiny = str(make_tiny_model(tmp_path / "model"))
+    store = Store(tmp_path / "s", create=True)
+    first = build(store, "i", [str(FIXTURES / "instruct.jsonl")], model=tiny, tag="prod", **OPTIONS).manifest
+    more = [str(FIXTURES / "instruct.jsonl"), str(FIXTURES / "chat.jsonl")]
+    for stage, (owner, attr) in STAGES.items():
+        for mode in ("append", "full"):
+            with monkeypatch.context() as patch:
+                patch.setattr(owner, attr, _fail)
+                with pytest.raises(Exception) as info:
+                    build(store, "i", more, model=tiny, mode=mode, **OPTIONS)
+                assert "simulated crash" in str(info.value), stage
+            assert [(v.version, v.build_id) for v in store.versions("i")] == [(1, first.build_id)], stage
+            ds = Datastore.open(store, "i")  # newest complete version: every checksum verifies
+            assert ds.record.version == 1 and len(ds.continuations) == first.num_tokens
+    assert len(list((store.root / "_files" / "i").iterdir())) == 1 + 2 * len(STAGES)  # leftovers, invisible
+    # the next run completes the work
+    done = build(store, "i", more, model=tiny, mode="append", **OPTIONS).manifest
+    assert done.version == 2 and done.lineage.added_sources == [str(Path(more[1]).resolve())]
+    Datastore.open(store, "i@2")
+    report = collect(store, "i", keep=1, grace_seconds=0)
+    assert report.removed_versions == [] and len(report.orphan_builds) == 2 * len(STAGES)  # v1 is tagged
+    assert sorted(p.name for p in (store.root / "_files" / "i").iterdir()) == sorted([first.build_id, done.build_id])
+    assert len(list(store.root.glob("i__*.lance"))) == 2
