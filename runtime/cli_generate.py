@@ -42,7 +42,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.method in DATASTORE_METHODS:
         device = next(loaded.model.parameters()).device
         datastore = Datastore.open(store, args.datastore, loaded.info, dense=args.method in DENSE_METHODS, device=device)
-    drafter = make_drafter(args.method, datastore)
+    drafter = make_drafter(args.method, datastore, **respec_options(args))
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
@@ -64,6 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
         out = {
             "method": args.method,
             "datastore": datastore.ref if datastore is not None else None,
+            "lossless": bool(getattr(drafter, "lossless", True)),
             **result.to_dict(),
         }
         print(json.dumps(out))
@@ -74,4 +75,20 @@ def run_generate(args: argparse.Namespace) -> int:
         f"drafting {stats['drafting_s']:.3f} s, verifying {stats['verifying_s']:.3f} s, stop: {result.stop_reason}",
         file=sys.stderr,
     )
+    if not getattr(drafter, "lossless", True):
+        print(f"[{args.method}] LOSSY: relaxed verification, {stats.get('num_relaxed', 0)} tokens accepted by the relaxed rule; "
+              "the output may differ from plain decoding", file=sys.stderr)
     return 0
+
+
+RESPEC_FLAGS = ("entropy_threshold", "score_threshold", "relaxed", "relaxed_top_k", "relaxed_ratio")
+
+
+def respec_options(args: argparse.Namespace) -> dict:
+    """The respec thresholds given on the command line (others keep ReSpecConfig's defaults)."""
+    if args.method != "respec":
+        return {}
+    out = {k: getattr(args, k) for k in RESPEC_FLAGS if getattr(args, k, None) is not None}
+    if "relaxed" in out:
+        out["relaxed"] = out["relaxed"] == "on"
+    return out

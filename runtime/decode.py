@@ -32,6 +32,7 @@ class DecodeStats:
     accepted_per_step: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
+    num_relaxed: int = 0  # accepted by a lossy relaxed rule (ReSpec --relaxed on), counted in num_accepted too
     drafting_s: float = 0.0
     verifying_s: float = 0.0
 
@@ -102,6 +103,7 @@ def decode(
         stats.accepted_per_step.append(len(new))
         stats.num_drafted += out.result.num_drafted
         stats.num_accepted += min(len(out.result.accepted_tokens), len(new))
+        stats.num_relaxed += sum(out.result.relaxed[: len(new)])
         if on_commit is not None and new:
             on_commit(new)
         clock = time.perf_counter()

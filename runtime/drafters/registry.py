@@ -20,6 +20,7 @@ FACTORIES: dict[str, str | Callable[..., Drafter]] = {
     "pld": "specstore.runtime.drafters.pld:create",
     "rest": "specstore.runtime.drafters.rest:create",  # retrieval side (issue 3): suffix array
     "dresd": "specstore.runtime.drafters.dresd:create",  # retrieval side (issue 3): dense index
+    "respec": "specstore.runtime.drafters.respec:create",  # issue 4: entropy trigger, EMA-ranked hybrid pool
 }
 
 

@@ -1,0 +1,175 @@
+"""ReSpec drafter: retrieve only when the target is confident, draft only candidates whose
+feedback score earns it, and optionally accept retrieved drafts with a relaxed rule.
+
+Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the relaxed rule
+(relaxed.py):
+
+1. Trigger. ``H = entropy(softmax(state.last_logits))`` in nats (the distribution that chose
+   the pending token, already computed by the last verification). Retrieve when
+   ``H < entropy_threshold``; otherwise, and whenever no candidate qualifies, the fallback
+   drafter proposes (model-free prompt lookup by default; any Drafter, e.g. ModelDrafter).
+2. Scores. Every candidate key (source + match thread, see respec_pool.py) has an EMA of the
+   number of its draft tokens the target accepted when it was used:
+   ``score <- (1 - ema_alpha) * score + ema_alpha * accepted``; an unseen key starts at
+   ``prior_score``. Updated in ``observe`` from ``tree.meta["candidate_keys"]``,
+   ``tree.meta["path_nodes"]`` and ``result.accepted_nodes``. Scores live for one request.
+3. Selection. Candidates with ``score >= score_threshold``, best score first (pool order breaks
+   ties: context, suffix array, dense), at most ``max_candidates``, merged into one trie of at
+   most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier.
+4. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
+   nodes may be accepted by the relaxed top-k / ratio / look-ahead rule (relaxed.py); model-made
+   fallback drafts stay strict; the drafter reports ``lossless = False``.
+
+Defaults (measured, see ``benchmarks/respec_sweep.py``): model-free replay of the default
+model's greedy answers (float32, 128 tokens) on 20 CodeAlpaca questions outside both the
+datastore and the benchmark slice (records 300-319 of code_alpaca_2k) and 10 MT-Bench
+questions, datastore = the first 300 CodeAlpaca records. See DEFAULTS_MEASUREMENT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from specstore.runtime.drafters.base import DecodeState, Drafter, VerifyResult
+from specstore.runtime.drafters.pld import PromptLookupDrafter
+from specstore.runtime.drafters.respec_pool import PoolConfig, gather
+from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.relaxed import RelaxedRule
+from specstore.runtime.tree import DraftTree
+
+DEFAULTS_MEASUREMENT = "filled in from benchmarks/respec_sweep.py"
+MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
+
+
+@dataclass(frozen=True, slots=True)
+class ReSpecConfig:
+    entropy_threshold: float = 2.0  # nats; retrieve only below it (inf = always, 0 = never)
+    score_threshold: float = 0.5  # EMA accepted tokens a candidate needs to be drafted
+    prior_score: float = 1.0  # EMA of a key never used before
+    ema_alpha: float = 0.5  # weight of the newest observation
+    max_candidates: int = 3  # candidates merged per step
+    max_nodes: int = 24  # trie size cap (CPU verification: every node must earn its place)
+    draft_length: int = 8  # tokens per candidate after the pending one
+    relaxed: bool = False  # lossy relaxed verification of retrieved drafts
+    relaxed_top_k: int = 3
+    relaxed_ratio: float = 0.3
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.max_candidates < 1 or self.max_nodes < 1 or self.draft_length < 1:
+            raise ValueError("max_candidates, max_nodes and draft_length must be >= 1")
+
+
+def entropy(logits: torch.Tensor) -> float:
+    """Entropy in nats of softmax(``logits`` [V])."""
+    logp = torch.log_softmax(logits.detach().float().reshape(-1), dim=-1)
+    return float(-(logp.exp() * logp).sum())
+
+
+class ReSpecDrafter:
+    name = "respec"
+
+    def __init__(self, datastore=None, config: ReSpecConfig | None = None, fallback: Drafter | None = None):
+        self.datastore = datastore
+        self.config = config or ReSpecConfig()
+        self.fallback = fallback if fallback is not None else PromptLookupDrafter(num_draft_tokens=self.config.draft_length)
+        self.lossless = not self.config.relaxed
+        self.rule = RelaxedRule(self.config.relaxed_top_k, self.config.relaxed_ratio) if self.config.relaxed else None
+        self.scores: dict[tuple[str, int], float] = {}
+        self.num_retrieved_steps = 0  # steps whose tree came from qualifying candidates
+        self.num_fallback_steps = 0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.scores = {}
+        self.num_retrieved_steps = self.num_fallback_steps = 0
+        self.fallback.reset(prompt_ids)
+
+    def score(self, key: tuple[str, int]) -> float:
+        return self.scores.get(key, self.config.prior_score)
+
+    def update(self, key: tuple[str, int], accepted: int) -> float:
+        """One EMA step for ``key`` (module docstring, point 2)."""
+        a = self.config.ema_alpha
+        self.scores[key] = (1.0 - a) * self.score(key) + a * accepted
+        return self.scores[key]
+
+    def triggers(self, state: DecodeState) -> bool:
+        """Retrieve this step? True when the next-token entropy is under the threshold (or unknown)."""
+        if state.last_logits is None:
+            return True
+        return entropy(state.last_logits) < self.config.entropy_threshold
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        cfg = self.config
+        length = min(cfg.draft_length, state.budget)
+        if length <= 0:
+            return DraftTree.empty()
+        if self.triggers(state):
+            candidates = gather(self.datastore, state, length, cfg.pool)
+            qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
+            qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
+            chosen = qualified[: cfg.max_candidates]
+            if chosen:
+                self.num_retrieved_steps += 1
+                tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
+                tree.meta["candidate_keys"] = [c.key for c in chosen]
+                sources: list[set[str]] = [set() for _ in range(len(tree))]
+                for c, nodes in zip(chosen, tree.meta["path_nodes"], strict=True):
+                    for node in nodes:
+                        sources[node].add(c.source)
+                return self._finish(tree, [sorted(s) for s in sources])
+        self.num_fallback_steps += 1
+        tree = self.fallback.propose(state)
+        source = getattr(self.fallback, "source", "lookup")
+        return self._finish(tree, [[source]] * len(tree))
+
+    def _finish(self, tree: DraftTree, sources: list[list[str]]) -> DraftTree:
+        """Attach per-node sources, and the relaxed acceptance hook when enabled."""
+        tree.meta["sources"] = sources
+        tree.meta["retrieved"] = [not any(s in MODEL_SOURCES for s in node) for node in sources]
+        if self.rule is not None and len(tree):
+            tree.meta["acceptance"] = self.rule
+        return tree
+
+    def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
+        keys = tree.meta.get("candidate_keys")
+        if not keys:
+            return
+        accepted = set(result.accepted_nodes)
+        for key, nodes in zip(keys, tree.meta["path_nodes"], strict=True):
+            if not nodes:  # cut by the node cap or the budget: it never reached the verifier
+                continue
+            count = 0
+            while count < len(nodes) and nodes[count] in accepted:
+                count += 1
+            self.update(key, count)
+
+
+def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, **options) -> ReSpecDrafter:
+    """Registry factory: ``options`` are ReSpecConfig fields, ``pool`` PoolConfig fields;
+    ``fallback`` a Drafter, or ``draft_model`` (a loaded causal LM or a folder) for ModelDrafter."""
+    if datastore is None:
+        raise SpecstoreError("method 'respec' needs a datastore (--datastore NAME[@VERSION|@TAG])")
+    if isinstance(options.get("relaxed"), str):
+        options["relaxed"] = _on_off(options["relaxed"])
+    pool_options = dict(pool or {})
+    for name in PoolConfig.__dataclass_fields__:  # bench's --option respec.num_dense=5 lands here
+        if name in options:
+            pool_options[name] = options.pop(name)
+    config = ReSpecConfig(**options, pool=PoolConfig(**pool_options))
+    if fallback is None and draft_model is not None:
+        from specstore.runtime.drafters.model import create as create_model_drafter
+
+        fallback = create_model_drafter(model=draft_model, num_draft_tokens=min(config.draft_length, 4))
+    return ReSpecDrafter(datastore, config, fallback)
+
+
+def _on_off(value: str) -> bool:
+    if value.lower() in ("on", "true", "1", "yes"):
+        return True
+    if value.lower() in ("off", "false", "0", "no"):
+        return False
+    raise SpecstoreError(f"relaxed must be on or off, got {value!r}")

@@ -1,0 +1,277 @@
+"""ReSpec: entropy trigger, EMA scores, threshold gate, greedy identity with ar (relaxed off),
+the relaxed rule checked against the logits (relaxed on), the model fallback, CLI options."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from specstore.runtime.api import generate
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.model import ModelDrafter
+from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.drafters.respec import ReSpecConfig, ReSpecDrafter, entropy
+from specstore.runtime.drafters.respec_pool import Candidate
+from specstore.runtime.relaxed import RelaxedRule, accept_relaxed
+from specstore.runtime.sampling import Sampling
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import TreeVerifier
+
+from tests.datastore_helpers import own_output_datastore
+
+V = 50
+
+
+def logits_with_entropy(h: float) -> torch.Tensor:
+    """[V] logits whose softmax has entropy ``h`` nats (bisection on a two-level distribution)."""
+    lo, hi = 0.0, 60.0  # logit gap of token 0 over the rest: entropy falls as the gap grows
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        x = torch.zeros(V, dtype=torch.float64)
+        x[0] = mid
+        lo, hi = (mid, hi) if entropy(x) > h else (lo, mid)
+    x = torch.zeros(V)
+    x[0] = (lo + hi) / 2
+    return x
+
+
+class StubDrafter:
+    """A fallback that records calls and drafts a fixed chain."""
+
+    name, lossless, source = "stub", True, "model"
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, prompt_ids):
+        pass
+
+    def propose(self, state):
+        self.calls += 1
+        return DraftTree.chain([7, 8])
+
+    def observe(self, state, tree, result):
+        pass
+
+
+def test_entropy_matches_the_definition():
+    x = torch.randn(V)
+    p = torch.softmax(x.double(), -1)
+    assert entropy(x) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
+    assert entropy(torch.zeros(V)) == pytest.approx(math.log(V), rel=1e-6)
+
+
+@pytest.mark.parametrize("threshold", [0.3, 1.0, 2.5])
+def test_trigger_fires_exactly_below_the_entropy_threshold(threshold):
+    fallback = StubDrafter()
+    drafter = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=threshold), fallback)
+    tokens = [1, 2, 3, 4, 1, 2, 3]  # the context source always has a candidate: 4 1 2 3
+    for h in np.linspace(0.05, 3.5, 40):
+        logits = logits_with_entropy(float(h))
+        state = DecodeState(tokens=list(tokens), num_prompt=3, last_logits=logits, budget=8)
+        calls = fallback.calls
+        tree = drafter.propose(state)
+        fired = entropy(logits) < threshold
+        assert drafter.triggers(state) == fired
+        assert (fallback.calls == calls) == fired, (h, threshold)
+        assert ("candidate_keys" in tree.meta) == fired
+
+
+def test_ema_follows_its_update_rule():
+    cfg = ReSpecConfig(ema_alpha=0.3, prior_score=2.0)
+    drafter = ReSpecDrafter(None, cfg, StubDrafter())
+    key, expected = ("suffix", -5), 2.0
+    for accepted in [3, 0, 0, 5, 1, 8]:
+        expected = 0.7 * expected + 0.3 * accepted
+        assert drafter.update(key, accepted) == pytest.approx(expected)
+    assert drafter.score(("dense", 1)) == 2.0  # unseen keys start at the prior
+
+
+def test_observe_credits_each_candidate_with_its_accepted_prefix():
+    drafter = ReSpecDrafter(None, ReSpecConfig(ema_alpha=0.5, prior_score=1.0), StubDrafter())
+    paths = {("context", -3): [5, 6, 7], ("suffix", -9): [5, 6, 9], ("dense", 4): [8]}
+    tree = DraftTree.from_paths(paths.values())
+    tree.meta["candidate_keys"] = list(paths)
+    nodes = tree.meta["path_nodes"]
+    state = DecodeState(tokens=[1, 5, 6, 7, 2], num_prompt=1)
+    drafter.observe(state, tree, VerifyResult(nodes[0], [5, 6, 7], 2, len(tree)))
+    assert drafter.scores == {("context", -3): 0.5 + 1.5, ("suffix", -9): 0.5 + 1.0, ("dense", 4): 0.5}
+
+
+def test_candidates_under_the_threshold_never_reach_the_verifier(monkeypatch):
+    import specstore.runtime.drafters.respec as respec
+
+    pool = [Candidate(("context", -1), [10, 11]), Candidate(("suffix", -2), [12, 13]),
+            Candidate(("dense", -3), [14, 15]), Candidate(("dense", -4), [16])]
+    monkeypatch.setattr(respec, "gather", lambda *a: list(pool))
+    fallback = StubDrafter()
+    drafter = ReSpecDrafter(None, ReSpecConfig(score_threshold=1.0, entropy_threshold=math.inf, max_candidates=2), fallback)
+    drafter.scores = {("context", -1): 0.2, ("suffix", -2): 3.0, ("dense", -3): 0.99, ("dense", -4): 1.0}
+    state = DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8)
+    tree = drafter.propose(state)
+    assert tree.meta["candidate_keys"] == [("suffix", -2), ("dense", -4)]  # best first, below-threshold out
+    assert set(tree.tokens.tolist()) == {12, 13, 16}
+    drafter.scores = dict.fromkeys(drafter.scores, 0.0)  # nobody qualifies: the fallback drafts
+    tree = drafter.propose(state)
+    assert tree.tokens.tolist() == [7, 8] and fallback.calls == 1 and tree.meta["retrieved"] == [False, False]
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    return own_output_datastore(tmp_path_factory.mktemp("respec-own"))
+
+
+@pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf}])
+def test_respec_greedy_output_is_identical_to_ar_and_accepts(own, options):
+    store, loaded, ar = own
+    drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), **options)
+    assert drafter.lossless
+    retrieved = 0
+    mats = []
+    for prompt, expected in ar.items():
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected))
+        assert result.token_ids == expected
+        assert result.stats.num_relaxed == 0
+        mats.append(result.stats.mat)
+        retrieved += drafter.num_retrieved_steps
+    assert min(mats) > 1.5
+    if options:  # the tiny model's entropy is high: only an infinite threshold always retrieves
+        assert retrieved > 0 and drafter.scores  # feedback reached the EMA table
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=12), threshold=st.sampled_from([0.5, 3.0, math.inf]))
+def test_respec_matches_ar_on_random_prompts(own, prompt, threshold):
+    store, loaded, _ = own
+    drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), entropy_threshold=threshold)
+    ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=16)
+    assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=16).token_ids == ar.token_ids
+
+
+def test_model_fallback_is_identical_to_ar_and_strict(own, tmp_path):
+    from specstore.runtime.models import load_model
+
+    from tests.helpers import make_tiny_model
+
+    store, loaded, ar = own
+    draft = load_model(str(make_tiny_model(tmp_path / "draft", seed=3)), dtype="float32", device="cpu").model
+    drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), entropy_threshold=0.0,
+                           relaxed="on", fallback=ModelDrafter(draft))
+    for prompt, expected in ar.items():
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected))
+        assert result.token_ids == expected  # the draft model is the target's twin: all accepted, strictly
+        assert result.stats.num_relaxed == 0 and result.stats.mat > 2.0
+
+
+class RecordingRule:
+    """Wraps the relaxed rule, keeping each call's logits, tree and outcome to check afterwards."""
+
+    def __init__(self, rule: RelaxedRule):
+        self.rule, self.calls = rule, []
+
+    def __call__(self, logits, tree, sampling):
+        out = self.rule(logits, tree, sampling)
+        self.calls.append((logits.clone(), tree, out))
+        return out
+
+
+@pytest.fixture(scope="module")
+def near_miss(tmp_path_factory):
+    """A datastore whose documents are the tiny model's greedy text except that every 4th token is
+    its runner-up: retrieval drafts near misses the relaxed rule can take."""
+    from specstore.runtime.models import load_model
+    from specstore.runtime.store import Store
+
+    from tests.datastore_helpers import model_hidden, write_datastore
+    from tests.helpers import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("respec-near")
+    loaded = load_model(str(make_tiny_model(folder / "model", seed=3)), dtype="float32", device="cpu")
+    docs = []
+    for prompt in NEAR_PROMPTS:
+        doc = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=0).prompt_ids
+        for i in range(24):
+            with torch.inference_mode():
+                top = loaded.model(input_ids=torch.tensor([doc])).logits[0, -1].topk(2)
+            doc.append(int(top.indices[1 if i % 4 == 2 else 0]))
+        docs.append(doc)
+    store = Store(folder / "store", create=True)
+    write_datastore(store, "near", docs, model_hidden(loaded.model, docs), loaded.info)
+    return Datastore.open(store, "near", loaded.info), loaded
+
+
+NEAR_PROMPTS = ["def mul(a, b):", "Tell me a story about a fox.", "Name three colours."]
+
+
+def test_relaxed_on_counts_relaxed_tokens_and_each_satisfies_the_rule(near_miss):
+    ds, loaded = near_miss
+    drafter = make_drafter("respec", ds, relaxed="on", relaxed_top_k=3, relaxed_ratio=0.1,
+                           entropy_threshold=math.inf, num_context=0)
+    assert not drafter.lossless
+    rule = drafter.rule = RecordingRule(drafter.rule)
+    for prompt in NEAR_PROMPTS:
+        rule.calls.clear()
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=24)
+        ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=24)
+        flagged = 0
+        for logits, tree, (accepted, bonus, flags) in rule.calls:
+            assert len(flags) == len(accepted)
+            choice = logits.argmax(-1)
+            parent_row = 0
+            for i, (node, relaxed) in enumerate(zip(accepted, flags, strict=True)):
+                tok = int(tree.tokens[node])
+                if relaxed:
+                    row = logits[parent_row]
+                    probs = torch.softmax(row.double(), -1)
+                    assert tok != int(choice[parent_row]) and tree.meta["retrieved"][node]
+                    assert tok in torch.topk(row, 3).indices.tolist()
+                    assert probs[tok] >= 0.1 * probs.max() * (1 - 1e-6)
+                    assert i + 1 < len(accepted) and not flags[i + 1]  # look-ahead: the next one is strict
+                else:
+                    assert tok == int(choice[parent_row])
+                parent_row = node + 1
+            assert bonus == int(choice[parent_row])
+            flagged += sum(flags)
+        assert result.stats.num_relaxed <= flagged
+        assert result.stats.num_accepted >= result.stats.num_relaxed > 0  # counted separately, inside accepted
+        assert result.token_ids != ar.token_ids  # lossy: the runner-ups made it into the output
+
+
+def test_accept_relaxed_on_crafted_logits():
+    # root -> a(5) -> b(6); argmax at root is 9 (not drafted), 5 is second with p ratio e^-1
+    tree = DraftTree(np.array([5, 6, 7]), np.array([-1, 0, -1]))
+    logits = torch.full((4, V), -10.0)
+    logits[0, 9], logits[0, 5], logits[0, 7] = 1.0, 0.0, 0.5
+    logits[1, 6] = 3.0  # after 5, the target's argmax is 6: look-ahead holds
+    logits[2, 1] = 3.0
+    logits[3, 2] = 3.0
+    rule = RelaxedRule(top_k=3, ratio=0.3)
+    assert accept_relaxed(logits, tree, rule, [True, True, True]) == ([0, 1], 1, [True, False])
+    assert accept_relaxed(logits, tree, rule, [False, False, False]) == ([], 9, [])  # model-made: strict
+    assert accept_relaxed(logits, tree, RelaxedRule(3, 0.5), [True] * 3) == ([], 9, [])  # e^-1 < 0.5: refused
+    logits[1, 6] = -20.0  # look-ahead fails for 5; 7 (ratio e^-0.5) has no child to look ahead to
+    assert accept_relaxed(logits, tree, rule, [True] * 3) == ([], 9, [])
+    sampled = rule(logits, tree, Sampling.seeded(1.0, seed=0))  # sampling: the lossless rule, no flags
+    assert not any(sampled[2])
+
+
+def test_relaxed_off_verifier_result_has_no_flags(own):
+    _, loaded, _ = own
+    verifier = TreeVerifier(loaded.model)
+    out = verifier.prefill([1, 2, 3])
+    step = verifier.step(out.result.bonus, DraftTree.chain([4, 5]))
+    assert step.result.relaxed == []
+
+
+def test_cli_generate_parser_has_respec_options():
+    from specstore.runtime.cli import _build_parser
+    from specstore.runtime.cli_generate import respec_options
+
+    args = _build_parser().parse_args(["generate", "--store", "s", "--method", "respec", "--prompt", "x",
+                                       "--entropy-threshold", "1.5", "--relaxed", "on", "--relaxed-ratio", "0.2"])
+    assert respec_options(args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2}
+    args = _build_parser().parse_args(["generate", "--store", "s", "--method", "rest", "--prompt", "x"])
+    assert respec_options(args) == {}
