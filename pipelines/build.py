@@ -39,7 +39,7 @@ def make_plan(store: Store, name: str, corpus: list[str], *, fmt: str = "auto", 
 
     validate_name(name)
     sources = resolve_sources([str(c) for c in corpus], fmt)
-    for key in ("max_doc_tokens", "max_new_tokens", "pca_dims", "continuation_length", "batch_tokens"):
+    for key in ("max_doc_tokens", "max_new_tokens", "pca_dims", "continuation_length", "batch_tokens", "sa_shard_tokens"):
         if settings.get(key) is not None and settings[key] <= 0:
             raise SpecstoreError(f"{key.replace('_', '-')} must be positive, got {settings[key]}")
     if settings.get("max_docs") is not None and settings["max_docs"] < 0:
@@ -101,6 +101,8 @@ def build(
     )
     normaliser_from = None
     if mode == "append":
+        if sa_shard_tokens is not None or parent.manifest.settings.get("sa_shard_tokens"):
+            raise SpecstoreError("--append onto a sharded suffix array is not supported yet: use a full build (or --refit)")
         settings |= parent_settings(parent.manifest)
         normaliser = store.files_dir(name, parent.build_id) / NORMALISER_FILE
         normaliser_from = parent.build_id

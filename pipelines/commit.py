@@ -21,13 +21,15 @@ from specstore.pipelines.lineage import BaseVersion
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
+from specstore.runtime.sharded_suffix import shard_files
 from specstore.runtime.store import Store, checksum_files
 from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
 from specstore.schemas.manifest import Lineage, Manifest, SourceInfo
 from specstore.schemas.tables import tokens_schema
 
 PIPELINE_VERSION = "build-1"
-SETTINGS_KEPT = ("dtype", "max_docs", "max_doc_tokens", "max_new_tokens", "batch_tokens", "generate_batch", "fit_rows_per_batch", "spill_dtype")
+SETTINGS_KEPT = ("dtype", "max_docs", "max_doc_tokens", "max_new_tokens", "batch_tokens", "generate_batch", "fit_rows_per_batch", "spill_dtype",
+                 "sa_shard_tokens")
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ def finalise(
     root = Path(plan.store_root)
     table_dir = Path(plan.table_uri)
     data_files = sorted(table_dir / "data" / f.path for frag in dataset.get_fragments() for f in frag.data_files())
-    version_files = [files_dir / n for n in (STREAM_FILE, SA_FILE, NORMALISER_FILE, REJECTED_FILE)] + data_files
+    index_files = shard_files(files_dir) or [files_dir / STREAM_FILE, files_dir / SA_FILE]
+    version_files = index_files + [files_dir / n for n in (NORMALISER_FILE, REJECTED_FILE)] + data_files
     files = checksum_files(root, [p.relative_to(root).as_posix() for p in version_files])
     sources = list(base_sources) + [
         SourceInfo(path=s.path, format=s.format, sha256=h, **summary["sources"][str(s.index)])

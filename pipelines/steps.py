@@ -193,6 +193,38 @@ def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> dict:
     }
 
 
+def assign_shards(lengths: list[tuple[int, int]], plan: BuildPlan) -> dict:
+    """The layout of a sharded build from document lengths alone (no tokens pass through here):
+    documents in doc_id order fill shards of at most ``sa_shard_tokens`` stream entries."""
+    lengths = sorted(lengths)
+    starts, shard_of, shards, offset = {}, {}, [], 0
+    for doc, n in lengths:
+        if not shards or (shards[-1]["length"] and shards[-1]["length"] + n + 1 > plan.sa_shard_tokens):
+            shards.append({"offset": offset, "length": 0})
+        starts[doc], shard_of[doc] = offset, len(shards) - 1
+        shards[-1]["length"] += n + 1  # the document and its separator
+        offset += n + 1
+    num_tokens = int(sum(n for _, n in lengths))
+    return {
+        "starts": starts, "shard_of": shard_of, "shards": shards, "num_documents": len(lengths),
+        "num_tokens": num_tokens, "num_new_documents": len(lengths), "num_new_tokens": num_tokens,
+    }
+
+
+def write_shard(keyed: tuple[int, list], plan: BuildPlan, layout: dict) -> int:
+    """One shard's stream and suffix array (built on the worker that holds only this shard)."""
+    from specstore.runtime.sharded_suffix import shard_dir
+
+    index, docs = keyed
+    docs = sorted(docs, key=lambda d: d[0])
+    stream, _ = join_documents([tokens for _, tokens in docs])
+    expected = layout["shards"][index]
+    if len(stream) != expected["length"] or layout["starts"][docs[0][0]] != expected["offset"]:
+        raise RuntimeError(f"internal: shard {index} has {len(stream)} entries, layout says {expected}")
+    save_suffix_index(shard_dir(Path(plan.files_dir), index), stream, build_suffix_array(stream))
+    return index
+
+
 def write_fragment(staged: StagedBatch, normaliser: Normaliser | None, layout: dict, plan: BuildPlan):
     """Rows of one staging file -> one Lance fragment (not yet committed to the table)."""
     from lance.fragment import write_fragments

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.pvalue import AsDict, AsSingleton, PCollection
+from apache_beam.pvalue import AsDict, AsList, AsSingleton, PCollection
 from specstore.pipelines import steps
 from specstore.pipelines.corpus import read_records
 from specstore.pipelines.embed import length_bucket, plan_batches
@@ -98,12 +98,27 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
             | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
             | "FitNormaliser" >> beam.Map(steps.fit_and_save, plan=plan)
         )
-    layout = (
-        documents
-        | "DocTokens" >> beam.Map(lambda d: (d.doc_id, d.tokens))
-        | "CollectStream" >> beam.combiners.ToList()
-        | "SuffixArray" >> beam.Map(steps.write_stream, plan=plan)
-    )
+    if plan.sa_shard_tokens is None:  # one suffix array: the whole token stream meets on one worker
+        layout = (
+            documents
+            | "DocTokens" >> beam.Map(lambda d: (d.doc_id, d.tokens))
+            | "CollectStream" >> beam.combiners.ToList()
+            | "SuffixArray" >> beam.Map(steps.write_stream, plan=plan)
+        )
+        shards_done = p | "NoShards" >> beam.Create([])
+    else:  # only lengths meet on one worker; each shard's tokens meet on the worker that sorts them
+        layout = (
+            documents
+            | "DocLengths" >> beam.Map(lambda d: (d.doc_id, len(d.tokens)))
+            | "CollectLengths" >> beam.combiners.ToList()
+            | "AssignShards" >> beam.Map(steps.assign_shards, plan=plan)
+        )
+        shards_done = (
+            documents
+            | "KeyByShard" >> beam.Map(lambda d, lay: (lay["shard_of"][d.doc_id], (d.doc_id, d.tokens)), lay=AsSingleton(layout))
+            | "GroupShards" >> beam.GroupByKey()
+            | "ShardSuffixArrays" >> beam.Map(steps.write_shard, plan=plan, layout=AsSingleton(layout))
+        )
     fragments = embedded.staged | "WriteFragments" >> beam.FlatMap(
         steps.write_fragment, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan
     )
@@ -121,14 +136,19 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         | "CollectFragments" >> beam.combiners.ToList()
         | "Summary" >> beam.Map(
             _write_summary, plan=plan, layout=AsSingleton(layout), num_rejected=AsSingleton(num_rejected),
-            read_counts=AsDict(read_counts), rejected_counts=AsDict(rejected_counts),
+            read_counts=AsDict(read_counts), rejected_counts=AsDict(rejected_counts), shards_done=AsList(shards_done),
         )
     )
     return BuildOutputs(records, documents, prepared.rejected, embedded.staged, normaliser, layout, fragments, summary)
 
 
-def _write_summary(fragments: list[dict], plan: BuildPlan, layout: dict, num_rejected: int, read_counts: dict, rejected_counts: dict) -> dict:
-    """Everything the driver needs to commit, as one small JSON file in the staging folder."""
+def _write_summary(
+    fragments: list[dict], plan: BuildPlan, layout: dict, num_rejected: int, read_counts: dict, rejected_counts: dict, shards_done: list[int]
+) -> dict:
+    """Everything the driver needs to commit, as one small JSON file in the staging folder
+    (written after every fragment and suffix-array shard)."""
+    if plan.sa_shard_tokens is not None and sorted(shards_done) != list(range(len(layout["shards"]))):
+        raise RuntimeError(f"internal: shards written {sorted(shards_done)}, layout has {len(layout['shards'])}")
     fragments = sorted(fragments, key=lambda f: f["first_offset"])
     base = plan.base
     num_rows = sum(f["num_rows"] for f in fragments) + (base.num_tokens if base else 0)

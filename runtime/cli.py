@@ -52,6 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--append", action="store_true", help="add the corpora the newest version lacks, reusing its rows and normaliser (its settings win)")
     mode.add_argument("--refit", action="store_true", help="rebuild the newest version's corpora plus these, refitting the normaliser")
+    p.add_argument("--sa-shard-tokens", type=int, default=None, metavar="N", help="build the suffix array in shards of at most N tokens, on separate workers (large corpora)")
     p.add_argument("--force", action="store_true", help="build even when corpus content, settings and model are unchanged")
     p.set_defaults(handler=_cmd_build, accepts_extra=True)
 

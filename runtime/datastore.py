@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-
 from specstore.runtime.dense import DenseIndex
 from specstore.runtime.errors import ChecksumError, ManifestMismatchError, SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
+from specstore.runtime.sharded_suffix import ShardedSuffixIndex, load_suffix_index
 from specstore.runtime.store import Ref, Store, VersionRecord, verify_files
 from specstore.runtime.suffix_array import SuffixIndex
 from specstore.schemas.manifest import Manifest, ModelInfo
@@ -45,7 +45,7 @@ class Datastore:
     store: Store
     record: VersionRecord
     normaliser: Normaliser
-    suffix: SuffixIndex
+    suffix: SuffixIndex | ShardedSuffixIndex
     continuations: np.ndarray | None = None
     continuation_lens: np.ndarray | None = None
     dense: DenseIndex | None = None
@@ -86,7 +86,7 @@ class Datastore:
         files = store.files_dir(manifest.name, manifest.build_id)
         normaliser = _load(files / NORMALISER_FILE, Normaliser.load)
         _check_normaliser(manifest, normaliser)
-        suffix = _load(files, SuffixIndex.load)
+        suffix = _load(files, load_suffix_index)  # one suffix array, or shards searched together
         ds = cls(store, record, normaliser, suffix, device=torch.device(device))
         if dense:
             ds.load_dense()

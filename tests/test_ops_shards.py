@@ -1,0 +1,98 @@
+"""Scale-out: a suffix array built in shards (``--sa-shard-tokens``) answers like one array over
+the whole stream, the runtime opens it and REST decodes the same; the multi-processing
+DirectRunner builds the same content as one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from specstore.pipelines.build import build
+from specstore.runtime.api import generate
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.models import load_model
+from specstore.runtime.sharded_suffix import ShardedSuffixIndex
+from specstore.runtime.store import Store
+from specstore.runtime.suffix_array import SuffixIndex, build_suffix_array, join_documents
+
+from tests.helpers import make_tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
+CORPUS = [str(FIXTURES / n) for n in ("instruct.jsonl", "chat.jsonl", "notes.txt", "code")]
+OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+
+
+def _index(docs) -> SuffixIndex:
+    stream, _ = join_documents(docs)
+    return SuffixIndex(stream, build_suffix_array(stream))
+
+
+def _same_answers(one: SuffixIndex, sharded: ShardedSuffixIndex, docs, rng) -> None:
+    assert len(one) == len(sharded)
+    for _ in range(200):
+        d = docs[rng.integers(len(docs))]
+        i = int(rng.integers(len(d)))
+        pattern = d[i : i + int(rng.integers(1, 5))]
+        assert sharded.positions(pattern).tolist() == one.positions(pattern).tolist()
+        context = list(rng.integers(0, 6, 3)) + list(d[: i + 1])
+        a, b = one.longest_suffix_match(context, 8, 1), sharded.longest_suffix_match(context, 8, 1)
+        assert (a is None and b is None) or (a.length, a.count) == (b.length, b.count)
+        if a is not None:
+            assert sharded.continuations(b, 4).tolist() == one.continuations(a, 4).tolist()
+            assert sharded.continuations(b, 4, 3).tolist() == one.continuations(a, 4, 3).tolist()
+            assert len(sharded.continuations(b, 4, 3, spread=True)) == min(3, a.count)
+
+
+def test_sharded_index_answers_like_one_array():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 6, rng.integers(1, 30)).astype(np.int32) for _ in range(40)]
+    cuts = [0, 7, 8, 25, 40]
+    sharded = ShardedSuffixIndex([_index(docs[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)])
+    _same_answers(_index(docs), sharded, docs, rng)
+
+
+def _rows(store: Store, m) -> dict:
+    return store.open_table(m.tokens_table).to_arrow().sort_by("offset").to_pydict()
+
+
+def _compare_builds(tiny, tmp_path, **sharded_options):
+    store = Store(tmp_path / "s", create=True)
+    one = build(store, "one", CORPUS, model=tiny, **OPTIONS).manifest
+    two = build(store, "two", CORPUS, model=tiny, sa_shard_tokens=120, **OPTIONS, **sharded_options).manifest
+    a, b = _rows(store, one), _rows(store, two)
+    for column in ("doc_id", "position", "offset", "token_id", "continuation", "continuation_len"):
+        assert a[column] == b[column], column
+    np.testing.assert_allclose(np.asarray(a["embedding"]), np.asarray(b["embedding"]), atol=1e-5)
+    info = load_model(tiny, dtype="float32").info
+    ds_one, ds_two = Datastore.open(store, "one", info), Datastore.open(store, "two", info)
+    assert isinstance(ds_two.suffix, ShardedSuffixIndex) and len(ds_two.suffix.shards) > 2
+    assert sum(k.endswith("suffix_array.npy") for k in two.files) == len(ds_two.suffix.shards)
+    stream = np.concatenate([np.asarray(s.stream) for s in ds_two.suffix.shards])
+    np.testing.assert_array_equal(stream, np.asarray(ds_one.suffix.stream))
+    docs = [np.asarray(d, dtype=np.int32) for d in np.split(stream, np.flatnonzero(stream == -1) + 1) if len(d) > 1]
+    docs = [d[d >= 0] for d in docs]
+    _same_answers(ds_one.suffix, ds_two.suffix, docs, np.random.default_rng(1))
+    loaded = load_model(tiny, dtype="float32")
+    for prompt in ("Write a function that adds two numbers.", "def add(a, b):"):
+        want = generate(loaded.model, loaded.tokenizer, prompt, make_drafter("rest", ds_one), 24).token_ids
+        assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter("rest", ds_two), 24).token_ids == want
+    return store
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def test_sharded_build_equals_one_array(tiny, tmp_path):
+    store = _compare_builds(tiny, tmp_path)
+    with pytest.raises(SpecstoreError, match="sharded suffix array is not supported"):
+        build(store, "two", CORPUS[:1], model=tiny, mode="append", **OPTIONS)
+
+
+@pytest.mark.slow
+def test_multi_processing_sharded_build_equals_single_process(tiny, tmp_path):
+    _compare_builds(tiny, tmp_path, beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
