@@ -87,7 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Send PROMPT as a user message through the model's chat template and decode it, streaming text as it is accepted.",
     )
     _add_store(p)
-    p.add_argument("--datastore", default=None, metavar="REF", help="NAME, NAME@VERSION or NAME@TAG (needed by rest, dresd, respec)")
+    p.add_argument("--datastore", default=None, metavar="REF", help="NAME, NAME@VERSION or NAME@TAG (needed by rest, dresd, respec); a comma list routes the prompt to the nearest domain")
     p.add_argument("--method", default="rest", choices=METHODS)
     p.add_argument("--prompt", required=True)
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")

@@ -25,12 +25,16 @@ def run_generate(args: argparse.Namespace) -> int:
     from specstore.runtime.models import load_model
     from specstore.runtime.store import Store
 
-    datastore = None
+    datastore = route = None
     if args.method in DATASTORE_METHODS:
         if not args.datastore:
             raise SpecstoreError(f"method '{args.method}' needs --datastore NAME[@VERSION|@TAG]")
         store = Store(args.store)
-        store.resolve(args.datastore)  # fail fast, before the model loads
+        refs = [r.strip() for r in args.datastore.split(",") if r.strip()]  # several: routed per prompt
+        if not refs:
+            raise SpecstoreError(f"--datastore {args.datastore!r} names no datastore")
+        for ref in refs:
+            store.resolve(ref)  # fail fast, before the model loads
     if args.max_new_tokens < 0:
         raise SpecstoreError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -41,7 +45,16 @@ def run_generate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.method in DATASTORE_METHODS:
         device = next(loaded.model.parameters()).device
-        datastore = Datastore.open(store, args.datastore, loaded.info, dense=args.method in DENSE_METHODS, device=device)
+        opened = [Datastore.open(store, ref, loaded.info, dense=args.method in DENSE_METHODS, device=device) for ref in refs]
+        datastore = opened[0]
+        if len(opened) > 1:
+            from specstore.runtime.api import prompt_ids
+            from specstore.runtime.router import Router
+
+            route = Router(opened).route(loaded.model, prompt_ids(loaded.tokenizer, args.prompt))
+            datastore = opened[route.index]
+            if not args.json:
+                print(f"[route] {datastore.ref} ({', '.join(f'{r} {v:.3f}' for r, v in route.scores.items())})", file=sys.stderr)
     drafter = make_drafter(args.method, datastore, **respec_options(args))
 
     def stream(text: str) -> None:
@@ -64,6 +77,7 @@ def run_generate(args: argparse.Namespace) -> int:
         out = {
             "method": args.method,
             "datastore": datastore.ref if datastore is not None else None,
+            "routing": route.scores if route is not None else None,
             "lossless": bool(getattr(drafter, "lossless", True)),
             **result.to_dict(),
         }

@@ -1,0 +1,50 @@
+"""Domain routing: pick, per request, which of several opened datastores to draft from.
+
+Owns the choice only: the prompt's last-layer hidden states are put through each datastore's
+own normaliser (a datastore's vectors live in its own reduced space), averaged, and compared by
+cosine similarity with that datastore's ``manifest.domain_centroid`` (the mean of its rows,
+written by the build); the closest wins. Does not own opening datastores or decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.forward import hidden_states
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The chosen datastore's index and every candidate's score (cosine similarity), by ref."""
+
+    index: int
+    scores: dict[str, float]
+
+
+class Router:
+    def __init__(self, datastores: list):
+        if not datastores:
+            raise SpecstoreError("routing needs at least one datastore")
+        for ds in datastores:
+            if ds.manifest.domain_centroid is None:
+                raise SpecstoreError(f"datastore {ds.ref} has no domain centroid (built before routing existed): rebuild it")
+        self.datastores = datastores
+        self._centroids = [np.asarray(ds.manifest.domain_centroid, dtype=np.float64) for ds in datastores]
+
+    def route(self, model, prompt_ids: list[int]) -> Route:
+        """Score the prompt (token ids, as the model sees it) against every datastore."""
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            hidden = hidden_states(model, torch.tensor([prompt_ids], device=device))[0].cpu().numpy()
+        scores = {}
+        for ds, centroid in zip(self.datastores, self._centroids, strict=True):
+            mean = ds.normaliser.apply(hidden).astype(np.float64).mean(axis=0)
+            scores[ds.ref] = float(mean @ centroid / max(np.linalg.norm(mean) * np.linalg.norm(centroid), 1e-12))
+        best = max(range(len(self.datastores)), key=lambda i: scores[self.datastores[i].ref])
+        return Route(best, scores)
+
+    def pick(self, model, prompt_ids: list[int]):
+        return self.datastores[self.route(model, prompt_ids).index]
