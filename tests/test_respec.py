@@ -275,3 +275,24 @@ def test_cli_generate_parser_has_respec_options():
     assert respec_options(args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2}
     args = _build_parser().parse_args(["generate", "--store", "s", "--method", "rest", "--prompt", "x"])
     assert respec_options(args) == {}
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_default_model_pipeline_datastore_respec_identical_to_ar_float32(tmp_path):
+    """The real default model, float32, a code datastore built by the pipeline: respec (relaxed
+    off, default thresholds and an always-on trigger) decodes exactly what ar decodes."""
+    from specstore.runtime.models import load_model
+    from tests.test_datastore import CODE_RECORDS, pipeline_store
+
+    loaded = load_model(None, dtype="float32", device="cpu")
+    pipeline_store(tmp_path, None, CODE_RECORDS, "code")
+    ds = Datastore.open(tmp_path / "store", "code@prod", loaded.info)
+    prompts = ["Write a Python function that reverses a string.", "Write a Python function that adds two numbers."]
+    for options in ({}, {"entropy_threshold": math.inf}):
+        drafter = make_drafter("respec", ds, **options)
+        for prompt in prompts:
+            ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=48)
+            result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=48)
+            assert result.token_ids == ar.token_ids, (options, prompt)
+            assert result.stats.mat > 1.0 and result.stats.num_relaxed == 0

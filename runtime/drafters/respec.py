@@ -13,8 +13,8 @@ Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the rel
    ``score <- (1 - ema_alpha) * score + ema_alpha * accepted``; an unseen key starts at
    ``prior_score``. Updated in ``observe`` from ``tree.meta["candidate_keys"]``,
    ``tree.meta["path_nodes"]`` and ``result.accepted_nodes``. Scores live for one request.
-3. Selection. Candidates with ``score >= score_threshold``, best score first (pool order breaks
-   ties: context, suffix array, dense), at most ``max_candidates``, merged into one trie of at
+3. Selection. Candidates with ``score >= score_threshold``, best score first (ties: the pool's
+   order, which interleaves context, suffix array and dense by rank), at most ``max_candidates``, merged into one trie of at
    most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier.
 4. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
    nodes may be accepted by the relaxed top-k / ratio / look-ahead rule (relaxed.py); model-made

@@ -2,7 +2,7 @@
 dense index, each with a key that identifies its *match thread*.
 
 Owns candidate generation only (no scoring, no trees): ``gather(state, length)`` returns
-``Candidate``s from three sources, in this order:
+``Candidate``s from three sources:
 
 - ``context``: the longest suffix n-gram of prompt + generated text found earlier in it (prompt
   lookup / SuffixDecoding's per-request tree), several occurrences, most recent first;
@@ -19,6 +19,7 @@ so the key stays the same; that is what ReSpec's per-candidate EMA scores attach
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -121,12 +122,13 @@ def dense_candidates(datastore, state: DecodeState, length: int, cfg: PoolConfig
 
 
 def gather(datastore, state: DecodeState, length: int, cfg: PoolConfig) -> list[Candidate]:
-    """All candidates for this step (``datastore`` may be None: context only)."""
+    """All candidates for this step, interleaved by rank across sources (each source's best
+    first, then each one's second, ...) so that ties in score keep the pool diverse.
+    ``datastore`` may be None: context only."""
     if length <= 0 or len(state.tokens) < 2:
         return []
-    out = context_candidates(np.asarray(state.tokens, dtype=np.int64), length, cfg) if cfg.num_context > 0 else []
+    per_source = [context_candidates(np.asarray(state.tokens, dtype=np.int64), length, cfg) if cfg.num_context > 0 else []]
     if datastore is not None:
-        if cfg.num_suffix > 0:
-            out += suffix_candidates(datastore.suffix, state.tokens, length, cfg)
-        out += dense_candidates(datastore, state, length, cfg)
-    return out
+        per_source.append(suffix_candidates(datastore.suffix, state.tokens, length, cfg) if cfg.num_suffix > 0 else [])
+        per_source.append(dense_candidates(datastore, state, length, cfg))
+    return [c for rank in itertools.zip_longest(*per_source) for c in rank if c is not None]
