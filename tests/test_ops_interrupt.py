@@ -49,12 +49,14 @@ def test_interrupted_rebuild_at_any_stage(tmp_path, monkeypatch):
             assert [(v.version, v.build_id) for v in store.versions("i")] == [(1, first.build_id)], stage
             ds = Datastore.open(store, "i")  # newest complete version: every checksum verifies
             assert ds.record.version == 1 and len(ds.continuations) == first.num_tokens
-    assert len(list((store.root / "_files" / "i").iterdir())) == 1 + 2 * len(STAGES)  # leftovers, invisible
+    # leftovers, invisible (a run that failed inside Beam before writing anything leaves none)
+    leftovers = {p.name for p in (store.root / "_files" / "i").iterdir()} - {first.build_id}
+    assert 2 * (len(STAGES) - 1) <= len(leftovers) <= 2 * len(STAGES)
     # the next run completes the work
     done = build(store, "i", more, model=tiny, mode="append", **OPTIONS).manifest
     assert done.version == 2 and done.lineage.added_sources == [str(Path(more[1]).resolve())]
     Datastore.open(store, "i@2")
     report = collect(store, "i", keep=1, grace_seconds=0)
-    assert report.removed_versions == [] and len(report.orphan_builds) == 2 * len(STAGES)  # v1 is tagged
+    assert report.removed_versions == [] and set(report.orphan_builds) >= leftovers  # v1 is tagged
     assert sorted(p.name for p in (store.root / "_files" / "i").iterdir()) == sorted([first.build_id, done.build_id])
     assert len(list(store.root.glob("i__*.lance"))) == 2
