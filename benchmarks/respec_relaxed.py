@@ -1,7 +1,8 @@
 """How far ReSpec's relaxed verification moves the output from plain greedy decoding.
 
-For each question: ``ar`` and ``respec`` with ``relaxed=on`` (plus any ``--option KEY=VALUE``
-ReSpec options), in one process and one dtype. Reports MAT, relaxed tokens, exact-match rate
+For each question: ``ar``, ``respec`` strict (the control: in bfloat16 tree verification alone
+flips near-ties) and ``respec`` with ``relaxed=on`` (plus any ``--option KEY=VALUE`` ReSpec
+options), in one process and one dtype (float32 by default, so that strict respec equals ar). Reports MAT, relaxed tokens, exact-match rate
 (outputs identical to ar) and token-level similarity to ar (difflib's ratio over token ids,
 1.0 = identical), and the mean length of the common prefix. Not a test: a measurement.
 
@@ -41,22 +42,25 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     options = {k: json.loads(v) for k, _, v in (o.partition("=") for o in args.option)}
     lm = load_model(None, dtype=args.dtype, device="cpu")
     ds = Datastore.open(args.store, args.datastore, lm.info)
     drafter = make_drafter("respec", ds, relaxed=True, **options)
+    strict = make_drafter("respec", ds, **{k: v for k, v in options.items() if not k.startswith("relaxed")})
     rows = []
     for q in load_questions(args.questions, limit=args.limit, skip=args.skip):
         text = q.turns[0]
         ids = lm.tokenizer(text)["input_ids"] if q.raw_prompt else prompt_ids(lm.tokenizer, [{"role": "user", "content": text}])
         ar = generate(lm.model, lm.tokenizer, ids, "ar", max_new_tokens=args.max_new_tokens)
         rel = generate(lm.model, lm.tokenizer, ids, drafter, max_new_tokens=args.max_new_tokens)
+        ctl = generate(lm.model, lm.tokenizer, ids, strict, max_new_tokens=args.max_new_tokens)
         rows.append({"id": q.question_id, "exact": rel.token_ids == ar.token_ids, "similarity": similarity(ar.token_ids, rel.token_ids),
                      "prefix": common_prefix(ar.token_ids, rel.token_ids), "mat": rel.stats.mat, "steps": rel.stats.steps,
-                     "tokens": len(rel.token_ids), "num_relaxed": rel.stats.num_relaxed})
+                     "tokens": len(rel.token_ids), "num_relaxed": rel.stats.num_relaxed,
+                     "strict_exact": ctl.token_ids == ar.token_ids, "strict_mat": ctl.stats.mat})
         print(json.dumps(rows[-1]), flush=True)
     n = len(rows)
     print(json.dumps({
@@ -65,6 +69,7 @@ def main() -> None:
         "mean_similarity": sum(r["similarity"] for r in rows) / n,
         "mean_common_prefix": sum(r["prefix"] for r in rows) / n,
         "mat": sum(r["tokens"] for r in rows) / sum(r["steps"] for r in rows),
+        "strict_exact_match_rate": sum(r["strict_exact"] for r in rows) / n,
         "relaxed_tokens": sum(r["num_relaxed"] for r in rows),
         "tokens": sum(r["tokens"] for r in rows),
     }))

@@ -20,10 +20,27 @@ Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the rel
    nodes may be accepted by the relaxed top-k / ratio / look-ahead rule (relaxed.py); model-made
    fallback drafts stay strict; the drafter reports ``lossless = False``.
 
-Defaults (measured, see ``benchmarks/respec_sweep.py``): model-free replay of the default
-model's greedy answers (float32, 128 tokens) on 20 CodeAlpaca questions outside both the
-datastore and the benchmark slice (records 300-319 of code_alpaca_2k) and 10 MT-Bench
-questions, datastore = the first 300 CodeAlpaca records. See DEFAULTS_MEASUREMENT.
+Defaults (measured with ``benchmarks/respec_sweep.py``: model-free replay of the default
+model's greedy float32 answers, 128 tokens, on 12 CodeAlpaca questions outside both the
+datastore and the benchmark slice (code_alpaca_2k records 300-311) and MT-Bench questions 1-6;
+datastore = code_alpaca_2k's first 300 records, 37k tokens). Estimated CPU speedup =
+MAT / verify cost of the draft nodes (FINDINGS: 1.1x at 8 nodes, 1.3x at 16):
+
+| entropy_threshold (max_candidates 3) | 0.25 | 0.5 | 0.75 | 1.0 | 2.0 | inf |
+|---|---|---|---|---|---|---|
+| code MAT / nodes per step | 1.51 / 7.2 | 1.56 / 8.4 | 1.59 / 10.0 | 1.62 / 11.2 | 1.72 / 14.4 | 1.77 / 16.2 |
+| code est. speedup | 1.38 | 1.40 | 1.38 | 1.37 | 1.36 | 1.36 |
+| MT-Bench MAT / nodes | 1.30 / 5.1 | 1.31 / 5.6 | 1.32 / 6.4 | 1.32 / 6.9 | 1.33 / 9.3 | 1.34 / 13.2 |
+
+MAT rises with the threshold but the tree grows faster, so the estimated speedup is flat to
+falling above ~0.75 nats; with ``max_candidates=2`` at 0.75: code 1.55 MAT / 7.7 nodes (est.
+1.41, the best of the grid), MT-Bench 1.31 / 5.3 (1.23). ``score_threshold`` 0, 0.3 and 0.5 gave
+identical results at entropy thresholds <= 0.75 (with ``prior_score`` 1 and ``ema_alpha`` 0.5 a
+key drops out after two misses in a row); at thresholds >= 2 the 0.5 gate cost MT-Bench MAT
+(1.33 -> 1.30). Baselines in the same replay: pld 1.39 / 1.30, rest (24 nodes) 1.32 / 1.04,
+dresd (k 3, 24 nodes) 1.44 / 1.08 MAT. ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3 were not
+swept (relaxed acceptance cannot be replayed without the target's logits off the reference);
+see ``benchmarks/respec_relaxed.py`` for their measured effect.
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from specstore.runtime.drafters.base import DecodeState, Drafter, VerifyResult
 from specstore.runtime.drafters.pld import PromptLookupDrafter
 from specstore.runtime.drafters.respec_pool import PoolConfig, gather
@@ -38,17 +56,16 @@ from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.relaxed import RelaxedRule
 from specstore.runtime.tree import DraftTree
 
-DEFAULTS_MEASUREMENT = "filled in from benchmarks/respec_sweep.py"
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
 
 
 @dataclass(frozen=True, slots=True)
 class ReSpecConfig:
-    entropy_threshold: float = 2.0  # nats; retrieve only below it (inf = always, 0 = never)
+    entropy_threshold: float = 0.75  # nats; retrieve only below it (inf = always, 0 = never)
     score_threshold: float = 0.5  # EMA accepted tokens a candidate needs to be drafted
     prior_score: float = 1.0  # EMA of a key never used before
     ema_alpha: float = 0.5  # weight of the newest observation
-    max_candidates: int = 3  # candidates merged per step
+    max_candidates: int = 2  # candidates merged per step
     max_nodes: int = 24  # trie size cap (CPU verification: every node must earn its place)
     draft_length: int = 8  # tokens per candidate after the pending one
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
