@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from specstore.runtime.api import generate
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.drafters.base import DecodeState, VerifyResult
@@ -19,7 +20,6 @@ from specstore.runtime.relaxed import RelaxedRule, accept_relaxed
 from specstore.runtime.sampling import Sampling
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier
-
 from tests.datastore_helpers import own_output_datastore
 
 V = 50
@@ -153,7 +153,6 @@ def test_respec_matches_ar_on_random_prompts(own, prompt, threshold):
 
 def test_model_fallback_is_identical_to_ar_and_strict(own, tmp_path):
     from specstore.runtime.models import load_model
-
     from tests.helpers import make_tiny_model
 
     store, loaded, ar = own
@@ -184,7 +183,6 @@ def near_miss(tmp_path_factory):
     its runner-up: retrieval drafts near misses the relaxed rule can take."""
     from specstore.runtime.models import load_model
     from specstore.runtime.store import Store
-
     from tests.datastore_helpers import model_hidden, write_datastore
     from tests.helpers import make_tiny_model
 
@@ -275,6 +273,18 @@ def test_cli_generate_parser_has_respec_options():
     assert respec_options(args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2}
     args = _build_parser().parse_args(["generate", "--store", "s", "--method", "rest", "--prompt", "x"])
     assert respec_options(args) == {}
+
+
+def test_unknown_option_and_missing_datastore_are_one_line_errors(own):
+    from specstore.runtime.errors import SpecstoreError
+
+    store, loaded, _ = own
+    with pytest.raises(SpecstoreError, match="needs a datastore"):
+        make_drafter("respec")
+    with pytest.raises(SpecstoreError, match="unknown respec option 'entropy'"):
+        make_drafter("respec", Datastore.open(store, "own", loaded.info), entropy=1.0)
+    with pytest.raises(SpecstoreError, match="relaxed must be on or off"):
+        make_drafter("respec", Datastore.open(store, "own", loaded.info), relaxed="maybe")
 
 
 @pytest.mark.model

@@ -176,6 +176,10 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
     for name in PoolConfig.__dataclass_fields__:  # bench's --option respec.num_dense=5 lands here
         if name in options:
             pool_options[name] = options.pop(name)
+    known = set(ReSpecConfig.__dataclass_fields__) | set(PoolConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise SpecstoreError(f"unknown respec option {unknown[0]!r}: choose from {', '.join(sorted(known - {'pool'}))}")
     config = ReSpecConfig(**options, pool=PoolConfig(**pool_options))
     if fallback is None and draft_model is not None:
         from specstore.runtime.drafters.model import create as create_model_drafter
