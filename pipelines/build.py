@@ -62,8 +62,13 @@ def run_pipeline(plan: BuildPlan, *, runner: str = "DirectRunner", beam_args: li
         pipeline = test_pipeline
     else:
         pipeline = beam.Pipeline(options=PipelineOptions([f"--runner={runner}", *(beam_args or [])]))
-    with pipeline as p:
-        expand_build(p, plan)
+    from specstore.pipelines.steps import close_progress
+
+    try:
+        with pipeline as p:
+            expand_build(p, plan)
+    finally:
+        close_progress()
 
 
 def build(

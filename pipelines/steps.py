@@ -49,6 +49,14 @@ def _progress(desc: str, amount: int, enabled: bool) -> None:
         bar.update(amount)
 
 
+def close_progress() -> None:
+    """Close this process' bars (the in-process DirectRunner shares them with the driver)."""
+    with _BARS_LOCK:
+        for bar in _BARS.values():
+            bar.close()
+        _BARS.clear()
+
+
 class _Holder:
     """Weak-referenceable box for a shared resource (Shared keeps weak references)."""
 
