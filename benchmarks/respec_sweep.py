@@ -17,6 +17,7 @@ import json
 import math
 
 import numpy as np
+
 from specstore.runtime.bench.report import load_result
 from specstore.runtime.bench.simulate import reference_states, references_from, simulate_one
 from specstore.runtime.datastore import Datastore

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from specstore.runtime.sampling import Sampling, accept, children_lists
 from specstore.runtime.tree import DraftTree
 

@@ -9,9 +9,10 @@ its own. Its drafts are model-made: ReSpec always verifies them strictly.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+
 from specstore.runtime.drafters.base import DecodeState, VerifyResult
 from specstore.runtime.tree import DraftTree
-from transformers import DynamicCache
 
 
 class ModelDrafter:

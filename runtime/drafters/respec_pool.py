@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.suffix_array import SEPARATOR
 from specstore.schemas.tables import PAD_TOKEN
