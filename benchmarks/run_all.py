@@ -72,6 +72,19 @@ def prepare_chat(out: Path, records: int, id_records: int) -> tuple[Path, Path]:
     return ood_path, id_path
 
 
+def sample_mt_bench(out: Path, per_category: int) -> Path:
+    """The first ``per_category`` questions of each MT-Bench category (all 8 categories covered)."""
+    rows = [json.loads(line) for line in open(DATA / "mt_bench" / "question.jsonl")]
+    picked, counts = [], {}
+    for r in rows:
+        if counts.get(r["category"], 0) < per_category:
+            picked.append(r)
+            counts[r["category"]] = counts.get(r["category"], 0) + 1
+    path = out / f"mt_bench_{per_category}_per_category.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=str(ROOT / "bench_store"))
@@ -79,7 +92,8 @@ def main() -> int:
     ap.add_argument("--chat-records", type=int, default=300)
     ap.add_argument("--code-records", type=int, default=1000)
     ap.add_argument("--id-records", type=int, default=200)
-    ap.add_argument("--limit", type=int, default=10, help="questions per bench run")
+    ap.add_argument("--limit", type=int, default=8, help="code prompts per bench run")
+    ap.add_argument("--per-category", type=int, default=1, help="MT-Bench questions per category (8 categories)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--skip-builds-bench", action="store_true")
     args = ap.parse_args()
@@ -100,13 +114,14 @@ def main() -> int:
     for name, corpus, extra in builds:
         run([*cli, "build", "--store", str(store), "--name", name, "--corpus", *corpus, "--dtype", "bfloat16", *extra],
             out / f"build_{name}.log")
-    common = ["--store", str(store), "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--dtype", "bfloat16"]
-    mt = str(DATA / "mt_bench" / "question.jsonl")
+    common = ["--store", str(store), "--max-new-tokens", str(args.max_new_tokens), "--dtype", "bfloat16"]
+    mt = str(sample_mt_bench(store.parent / "bench_corpora", args.per_category))
+    limit = ["--limit", str(args.limit)]
     runs = [
         ("chat_ood", "chat-ood", mt, [], "ar,pld,rest,dresd,respec,hf,hf-pld"),
         ("chat_id", "chat-id", mt, [], "ar,pld,rest,dresd,respec"),
-        ("code_ood", "code-ood", code, ["--skip", "1900"], "ar,pld,rest,dresd,respec,hf,hf-pld"),
-        ("code_id", "code-id", code, ["--skip", "1900"], "ar,pld,rest,dresd,respec"),
+        ("code_ood", "code-ood", code, ["--skip", "1900", *limit], "ar,pld,rest,dresd,respec,hf,hf-pld"),
+        ("code_id", "code-id", code, ["--skip", "1900", *limit], "ar,pld,rest,dresd,respec"),
     ]
     results = []
     for label, ds, questions, extra, methods in runs:

@@ -54,6 +54,7 @@ def _end_to_end(args, workdir: Path) -> dict:
 
 def _stages(args, workdir: Path) -> dict:
     from lance.fragment import write_fragments
+
     from specstore.pipelines.corpus import read_records, resolve_sources
     from specstore.pipelines.embed import embed_documents, load_staged, plan_batches, save_staged
     from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows

@@ -56,6 +56,7 @@ def run_pipeline(plan: BuildPlan, *, runner: str = "DirectRunner", beam_args: li
     """Run the whole Beam build; its last step writes the staging summary."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
+
     from specstore.pipelines.transforms import expand_build
 
     if test_pipeline is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from specstore.runtime.forward import hidden_states
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from specstore.runtime.normaliser import _EPS, Normaliser
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+
 from specstore.pipelines.corpus import RawRecord
 
 _SOURCE_BITS, _RECORD_BITS, _CHUNK_BITS = 15, 28, 20

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+
 from specstore.schemas.tables import PAD_TOKEN, tokens_schema
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import apache_beam as beam
 import numpy as np
 from apache_beam.utils import shared
+
 from specstore.pipelines.embed import (
     StagedBatch,
     embed_documents,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import AsDict, AsList, AsSingleton, PCollection
+
 from specstore.pipelines import steps
 from specstore.pipelines.corpus import read_records
 from specstore.pipelines.embed import length_bucket, plan_batches

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 import torch
+
 from specstore.runtime.decode import DecodeStats, decode
 from specstore.runtime.drafters.base import Drafter
 from specstore.runtime.drafters.registry import make_drafter

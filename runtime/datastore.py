@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+
 from specstore.runtime.dense import DenseIndex
 from specstore.runtime.errors import ChecksumError, ManifestMismatchError, SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser

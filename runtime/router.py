@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import hidden_states
 

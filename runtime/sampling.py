@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from specstore.runtime.tree import DraftTree
 
 

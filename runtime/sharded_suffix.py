@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE, Match, SuffixIndex
 
 SHARDS_DIR = "shards"

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers import DynamicCache
+
 from specstore.runtime.drafters.base import VerifyResult
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.sampling import Sampling, accept, pick
 from specstore.runtime.tree import DraftTree
-from transformers import DynamicCache
 
 
 @dataclass(slots=True)

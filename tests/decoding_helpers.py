@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from specstore.runtime.tree import DraftTree
 
+from specstore.runtime.tree import DraftTree
 from tests.helpers import make_tiny_model
 
 FAMILIES = ("llama", "gpt2", "qwen2")

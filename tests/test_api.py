@@ -5,11 +5,11 @@ transformers' plain greedy decoding."""
 from __future__ import annotations
 
 import pytest
-import specstore.runtime as rt
 import torch
+
+import specstore.runtime as rt
 from specstore.runtime.api import custom_generate, prompt_ids
 from specstore.runtime.errors import SpecstoreError
-
 from tests.decoding_helpers import FAMILIES, tiny
 
 

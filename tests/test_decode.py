@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from specstore.runtime.decode import decode
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.sampling import Sampling
-
 from tests.decoding_helpers import FAMILIES, OracleDrafter, random_prompt, tiny
 
 

@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specstore.runtime.api import generate
-
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.dresd import DresdDrafter

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from specstore.pipelines.build import build
 from specstore.runtime.cli import main
 from specstore.runtime.datastore import Datastore
@@ -15,7 +16,6 @@ from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
-
 from tests.helpers import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpus"

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+
 from specstore.runtime.api import generate
 from specstore.runtime.cli import main
 from specstore.runtime.datastore import Datastore
@@ -16,7 +17,6 @@ from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import DatastoreNotFoundError, SpecstoreError
 from specstore.runtime.retention import collect
 from specstore.runtime.store import Store
-
 from tests.datastore_helpers import TEXTS, model_hidden, tiny_datastore, write_datastore
 
 

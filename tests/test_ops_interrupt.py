@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from specstore.pipelines import commit, steps
 from specstore.pipelines.build import build
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.retention import collect
 from specstore.runtime.store import Store
-
 from tests.helpers import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpus"

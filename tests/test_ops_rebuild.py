@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from specstore.pipelines.build import build
 from specstore.runtime.cli import main
 from specstore.runtime.store import Store
-
 from tests.helpers import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpus"

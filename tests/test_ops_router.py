@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from specstore.pipelines.build import build
 from specstore.runtime.api import prompt_ids
 from specstore.runtime.cli import main
@@ -13,7 +14,6 @@ from specstore.runtime.datastore import Datastore
 from specstore.runtime.models import load_model
 from specstore.runtime.router import Router
 from specstore.runtime.store import Store
-
 from tests.helpers import make_tiny_model
 
 OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=512, max_doc_tokens=128, progress=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from specstore.pipelines.build import build
 from specstore.runtime.api import generate
 from specstore.runtime.datastore import Datastore
@@ -17,7 +18,6 @@ from specstore.runtime.models import load_model
 from specstore.runtime.sharded_suffix import ShardedSuffixIndex
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SuffixIndex, build_suffix_array, join_documents
-
 from tests.helpers import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpus"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
+
 from specstore.pipelines.build import build, make_plan
 from specstore.pipelines.corpus import read_records, resolve_sources
 from specstore.pipelines.render import Document, prepare
@@ -27,7 +28,6 @@ from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SuffixIndex
 from specstore.schemas.tables import PAD_TOKEN
-
 from tests.helpers import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpus"

@@ -6,6 +6,7 @@ import gzip
 import json
 
 import pytest
+
 from specstore.pipelines.corpus import Source, detect_format, read_records, resolve_sources, source_sha256
 from specstore.runtime.errors import SpecstoreError
 

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+
 from specstore.pipelines.build import build
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.store import Store
-
 from tests.helpers import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpus"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sklearn.decomposition import PCA
+
 from specstore.pipelines.embed import length_bucket, plan_batches
 from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
 from specstore.pipelines.rows import continuations, rows_table

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from specstore.pipelines.build import build
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.forward import hidden_states

@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import torch
+
 from specstore.pipelines.build import build
 from specstore.pipelines.embed import generate_responses
 from specstore.runtime.models import load_model
 from specstore.runtime.store import Store
-
 from tests.helpers import make_tiny_model
 
 

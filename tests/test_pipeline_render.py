@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from specstore.pipelines.corpus import RawRecord
 from specstore.pipelines.render import (
     Document,
@@ -20,7 +21,6 @@ from specstore.pipelines.render import (
     to_messages,
     tokenise,
 )
-
 from tests.helpers import default_tokenizer
 
 

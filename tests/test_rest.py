@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from specstore.runtime.api import generate
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.drafters.base import DecodeState
+from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.drafters.rest import RestConfig, RestDrafter, prefix_tree
 from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex, build_suffix_array, join_documents
 from tests.datastore_helpers import own_output_datastore

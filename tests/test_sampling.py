@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from specstore.runtime.decode import decode
 from specstore.runtime.sampling import Sampling, accept, target_probs
 from specstore.runtime.tree import DraftTree

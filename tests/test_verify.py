@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
+
 from specstore.runtime.sampling import Sampling
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier, ancestor_matrix, clip_depth, tree_attention_inputs
-from transformers import DynamicCache
-
 from tests.decoding_helpers import FAMILIES, tiny
 
 CASES = [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gpt2", "eager")]

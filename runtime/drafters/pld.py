@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
 from specstore.runtime.drafters.base import DecodeState, VerifyResult
 from specstore.runtime.tree import DraftTree
 
