@@ -36,3 +36,14 @@ def test_default_model_build(tmp_path):
     assert loaded.tokenizer.decode(tokens).rstrip().endswith("return x * x<|im_end|>")
     fresh = ds.normaliser.apply(hidden_states(loaded.model, torch.tensor([tokens]))[0].numpy())
     np.testing.assert_allclose(np.asarray(table["embedding"])[first], fresh, atol=1e-3)
+
+    # every lossless method decodes token-identically to plain greedy decoding (float32, real model)
+    from specstore.runtime.api import generate
+    from specstore.runtime.drafters.registry import make_drafter
+
+    for prompt in ("Write a Python function that returns the square of x.", "Sum a list in Python."):
+        ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=24)
+        for method in ("pld", "rest", "dresd", "respec"):
+            out = generate(loaded.model, loaded.tokenizer, prompt, make_drafter(method, ds), max_new_tokens=24)
+            assert out.token_ids == ar.token_ids, (method, prompt)
+            assert out.stats.steps <= ar.stats.steps
