@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.hashing import file_sha256
 
 FORMATS = ("chat-jsonl", "instruct-jsonl", "text", "code-dir")
 _JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
@@ -122,18 +123,10 @@ def source_sha256(source: Source) -> str:
     """Content hash of a file, or of the sorted (relative path, file hash) list of a directory."""
     path = Path(source.path)
     if not path.is_dir():
-        return _file_sha256(path)
+        return file_sha256(path)
     digest = hashlib.sha256()
     for f in code_files(path):
-        digest.update(f"{f.relative_to(path).as_posix()}={_file_sha256(f)}\n".encode())
-    return digest.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
+        digest.update(f"{f.relative_to(path).as_posix()}={file_sha256(f)}\n".encode())
     return digest.hexdigest()
 
 

@@ -19,6 +19,7 @@ import torch
 
 from specstore.runtime.device import resolve_device, resolve_dtype
 from specstore.runtime.errors import ChecksumError, SpecstoreError
+from specstore.runtime.hashing import file_sha256
 from specstore.schemas.manifest import ModelInfo
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -31,14 +32,6 @@ _HASH_CACHE = ".specstore-hash.json"
 def cache_dir() -> Path:
     """``$SPECSTORE_CACHE``, else ``~/.cache/specstore``."""
     return Path(os.environ.get("SPECSTORE_CACHE", Path.home() / ".cache" / "specstore")).expanduser()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -60,7 +53,7 @@ def folder_hash(folder: Path) -> str:
         st = f.stat()
         key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
         if key not in cache:
-            cache[key], changed = _sha256(f), True
+            cache[key], changed = file_sha256(f), True
         digest.update(f"{f.name}={cache[key]}\n".encode())
     if changed:
         try:
@@ -129,7 +122,7 @@ def provision_default_model(*, force: bool = False, quiet: bool = False) -> Path
     tok.save_pretrained(tmp)
     prov = {
         "source": f"{_GGUF_PACKAGE}/{gguf.name}",
-        "gguf_sha256": _sha256(gguf),
+        "gguf_sha256": file_sha256(gguf),
         "gguf_size": gguf.stat().st_size,
         "folder_hash": folder_hash(tmp),
     }

@@ -19,7 +19,6 @@ only unreferenced files, which ``gc`` may delete.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import re
 import uuid
@@ -33,6 +32,7 @@ import lancedb
 import pyarrow as pa
 
 from specstore.runtime.errors import ChecksumError, DatastoreNotFoundError, SpecstoreError
+from specstore.runtime.hashing import file_sha256
 from specstore.schemas.manifest import FileInfo, Manifest
 from specstore.schemas.tables import TAGS_SCHEMA, VERSIONS_SCHEMA
 
@@ -90,14 +90,6 @@ class VersionRecord:
     created_at: str
     manifest: Manifest
     tags: tuple[str, ...] = field(default=())
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def now_iso() -> str:
