@@ -95,6 +95,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=8, help="code prompts per bench run")
     ap.add_argument("--per-category", type=int, default=1, help="MT-Bench questions per category (8 categories)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--regen-tokens", type=int, default=192, help="response length when the model regenerates (ID)")
     ap.add_argument("--skip-builds-bench", action="store_true")
     args = ap.parse_args()
     if not DATA.is_dir():
@@ -107,9 +108,9 @@ def main() -> int:
     code = str(DATA / "codealpaca" / "code_alpaca_2k.jsonl.gz")
     builds = [
         ("chat-ood", [str(chat_ood)], []),
-        ("chat-id", [str(chat_id)], ["--regenerate", "--max-new-tokens", str(args.max_new_tokens * 2)]),
+        ("chat-id", [str(chat_id)], ["--regenerate", "--max-new-tokens", str(args.regen_tokens)]),
         ("code-ood", [code], ["--max-docs", str(args.code_records)]),
-        ("code-id", [code], ["--max-docs", str(args.id_records), "--regenerate", "--max-new-tokens", str(args.max_new_tokens * 2)]),
+        ("code-id", [code], ["--max-docs", str(args.id_records), "--regenerate", "--max-new-tokens", str(args.regen_tokens)]),
     ]
     for name, corpus, extra in builds:
         run([*cli, "build", "--store", str(store), "--name", name, "--corpus", *corpus, "--dtype", "bfloat16", *extra],

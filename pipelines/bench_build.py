@@ -102,7 +102,7 @@ def _stages(args, workdir: Path) -> dict:
     out["normaliser_fit_s"] = round(time.perf_counter() - t, 3)
 
     t = time.perf_counter()
-    layout = write_stream([(d.doc_id, d.tokens) for d in docs], SimpleNamespace(files_dir=str(workdir / "files")))
+    layout = write_stream([(d.doc_id, d.tokens) for d in docs], SimpleNamespace(files_dir=str(workdir / "files"), base=None))
     out["stream_and_suffix_array"] = _rate(num_tokens, time.perf_counter() - t)
 
     t = time.perf_counter()
