@@ -86,7 +86,7 @@ def decode_all(loaded, opened: dict) -> None:
 
     methods = [m for m in METHODS if m in available()]
     for name, prompt in (("code", CODE_PROMPT), ("chat", CHAT_PROMPT)):
-        section(f"decode with every method against {name}@demo (float32, greedy, 128 new tokens)")
+        section(f"decode with every method against {name}@demo (bf16, greedy, 128 new tokens)")
         print(f"prompt: {prompt}")
         generate(loaded.model, loaded.tokenizer, "Hi", max_new_tokens=4)  # warm-up
         base, ar_ids = None, None
@@ -98,7 +98,7 @@ def decode_all(loaded, opened: dict) -> None:
             if m == "ar":
                 base, ar_ids = wall, res.token_ids
                 print(f"\n{res.text.strip()[:400]}\n")
-            same = "same as ar" if res.token_ids == ar_ids else f"differs from ar at token {_first_diff(ar_ids, res.token_ids)} (BUG: lossless methods must match in float32)"
+            same = "same as ar" if res.token_ids == ar_ids else f"differs from ar at token {_first_diff(ar_ids, res.token_ids)} (a bf16 near-tie: in float32 every lossless method equals ar, see BENCHMARKS.md)"
             print(f"{m:>7}: {len(res.token_ids):>3} tokens, MAT {res.stats.mat:.2f}, {len(res.token_ids) / wall:6.1f} tok/s, "
                   f"speedup {base / wall:.2f}x, drafting {res.stats.drafting_s / wall:.1%} of the time, {same}", flush=True)
 
@@ -115,7 +115,7 @@ def main() -> int:
     hf_logging.disable_progress_bar()
     store = Path(sys.argv[1] if len(sys.argv) > 1 else "demo_store").resolve()
     build_stores(store)
-    loaded = load_model(dtype="float32")  # float32: lossless methods print "same as ar" exactly
+    loaded = load_model(dtype="bfloat16")  # the fast dtype; float32 identity is asserted by `make test`
     opened = show(store, loaded)
     decode_all(loaded, opened)
     print("\nDone. Try: .venv/bin/specstore generate --store demo_store --datastore code@demo --method rest --prompt '...'")
