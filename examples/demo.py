@@ -96,11 +96,11 @@ def decode_all(loaded, opened: dict) -> None:
             res = generate(loaded.model, loaded.tokenizer, prompt, drafter=drafter, max_new_tokens=128)
             wall = time.perf_counter() - start
             if m == "ar":
-                base, ar_ids = wall, res.token_ids
+                base, ar_ids = len(res.token_ids) / wall, res.token_ids
                 print(f"\n{res.text.strip()[:400]}\n")
             same = "same as ar" if res.token_ids == ar_ids else f"differs from ar at token {_first_diff(ar_ids, res.token_ids)} (a bf16 near-tie: in float32 every lossless method equals ar, see BENCHMARKS.md)"
             print(f"{m:>7}: {len(res.token_ids):>3} tokens, MAT {res.stats.mat:.2f}, {len(res.token_ids) / wall:6.1f} tok/s, "
-                  f"speedup {base / wall:.2f}x, drafting {res.stats.drafting_s / wall:.1%} of the time, {same}", flush=True)
+                  f"speedup {len(res.token_ids) / wall / base:.2f}x, drafting {res.stats.drafting_s / wall:.1%} of the time, {same}", flush=True)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
