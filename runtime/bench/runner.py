@@ -108,10 +108,9 @@ def _run_hf(method: str, model, tokenizer, ids: list[int], max_new_tokens: int, 
     wall = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     steps = max(counter.count, 1)
-    record = PromptRecord(method=method, num_tokens=len(new), steps=steps, accepted_per_step=[len(new)] if steps == 1 else [],
-                          num_drafted=0, num_accepted=0, wall_s=wall, drafting_s=0.0, verifying_s=wall, **meta)
     # transformers does not expose per-step acceptance; MAT = tokens / forwards still holds
-    record = record.model_copy(update={"accepted_per_step": _spread(len(new), steps)})
+    record = PromptRecord(method=method, num_tokens=len(new), steps=steps, accepted_per_step=_spread(len(new), steps),
+                          num_drafted=0, num_accepted=0, wall_s=wall, drafting_s=0.0, verifying_s=wall, **meta)
     return Outcome(new, tokenizer.decode(new, skip_special_tokens=True), record)
 
 
@@ -230,7 +229,7 @@ def run_bench_command(args) -> int:
     result = run_bench(store=args.store, datastore=args.datastore, questions=args.questions, methods=methods,
                        limit=args.limit, skip=args.skip, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, model=args.model, dtype=args.dtype, device=args.device,
-                       options=parse_options(args.option), progress=sys.stderr.isatty() or True,
+                       options=parse_options(args.option), progress=True,
                        command="specstore " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     from specstore.runtime.bench.report import markdown_table
 
