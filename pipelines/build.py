@@ -107,9 +107,12 @@ def build(
     )
     normaliser_from = None
     if mode == "append":
-        if sa_shard_tokens is not None or parent.manifest.settings.get("sa_shard_tokens"):
-            raise SpecstoreError("--append onto a sharded suffix array is not supported yet: use a full build (or --refit)")
+        kept = parent.manifest.settings.get("sa_shard_tokens")
+        if sa_shard_tokens is not None and sa_shard_tokens != kept:
+            have = f"shards of {kept} tokens" if kept else "one suffix array"
+            raise SpecstoreError(f"--append keeps the parent's suffix-array layout ({have}); change --sa-shard-tokens with --refit")
         settings |= parent_settings(parent.manifest)
+        sa_shard_tokens = settings.pop("sa_shard_tokens", None)
         normaliser = store.files_dir(name, parent.build_id) / NORMALISER_FILE
         normaliser_from = parent.build_id
     elif mode == "refit":

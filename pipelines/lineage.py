@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specstore.pipelines.corpus import Source
+import numpy as np
+
 from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.sharded_suffix import shard_files
 from specstore.runtime.store import Store, VersionRecord
 from specstore.schemas.manifest import Manifest, ModelInfo
 
@@ -38,15 +41,23 @@ class BaseVersion:
     num_tokens: int
     num_sources: int
     embedding_sum: tuple[float, ...]  # domain_centroid x num_tokens, to combine with the new rows
+    shards: tuple[tuple[int, int], ...] = ()  # (stream offset, stream length) of each suffix-array shard; () if one array
 
     @classmethod
     def of(cls, store: Store, record: VersionRecord) -> BaseVersion:
         m = record.manifest
         centroid = m.domain_centroid or []
+        files = store.files_dir(m.name, m.build_id)
+        shards, offset = [], 0
+        for stream in shard_files(files)[::2]:  # (stream, suffix array) per shard, in shard order
+            length = int(np.load(stream, mmap_mode="r").shape[0])
+            shards.append((offset, length))
+            offset += length
         return cls(
             version=record.version, build_id=m.build_id, files_dir=str(store.files_dir(m.name, m.build_id)),
             table_uri=store.table_uri(m.tokens_table), num_documents=m.num_documents, num_tokens=m.num_tokens,
             num_sources=len(m.sources), embedding_sum=tuple(float(c) * m.num_tokens for c in centroid),
+            shards=tuple(shards),
         )
 
 
@@ -84,5 +95,5 @@ def refit_paths(parent: Manifest, paths: list[str]) -> list[str]:
 def parent_settings(parent: Manifest) -> dict:
     """The settings an append must keep so its rows match the parent's."""
     s = parent.settings
-    keep = {k: s[k] for k in ("max_doc_tokens", "max_new_tokens", "batch_tokens", "dtype") if s.get(k) is not None}
+    keep = {k: s[k] for k in ("max_doc_tokens", "max_new_tokens", "batch_tokens", "dtype", "sa_shard_tokens") if s.get(k) is not None}
     return keep | {"pca_dims": parent.pca_dims, "continuation_length": parent.continuation_length, "regenerate": parent.regenerated}

@@ -29,7 +29,7 @@ from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.render import Document, Rejection, prepare
 from specstore.pipelines.rows import rows_table
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
-from specstore.runtime.suffix_array import STREAM_FILE, build_suffix_array, join_documents, save_suffix_index
+from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE, build_suffix_array, join_documents, save_suffix_index
 from specstore.schemas.tables import tokens_schema
 
 _SHARED = shared.Shared()  # one handle per process: models are loaded once per worker
@@ -204,34 +204,72 @@ def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> dict:
 
 def assign_shards(lengths: list[tuple[int, int]], plan: BuildPlan) -> dict:
     """The layout of a sharded build from document lengths alone (no tokens pass through here):
-    documents in doc_id order fill shards of at most ``sa_shard_tokens`` stream entries."""
+    documents in doc_id order fill shards of at most ``sa_shard_tokens`` stream entries.
+
+    For an append, the parent's shards come first, as they are; new documents go on filling its
+    last shard (which is then rebuilt with them) and new shards after it, exactly as a full build
+    of the parent's corpus plus the new one would place them.
+    """
     lengths = sorted(lengths)
-    starts, shard_of, shards, offset = {}, {}, [], 0
+    base = plan.base
+    shards = [{"offset": o, "length": n, "base_length": n} for o, n in (base.shards if base else ())]
+    offset = sum(s["length"] for s in shards)
+    if base is not None and offset != base.num_tokens + base.num_documents:
+        raise RuntimeError(f"internal: the parent's shards hold {offset} stream entries, its manifest says {base.num_tokens + base.num_documents}")
+    starts, shard_of = {}, {}
     for doc, n in lengths:
         if not shards or (shards[-1]["length"] and shards[-1]["length"] + n + 1 > plan.sa_shard_tokens):
-            shards.append({"offset": offset, "length": 0})
+            shards.append({"offset": offset, "length": 0, "base_length": 0})
         starts[doc], shard_of[doc] = offset, len(shards) - 1
         shards[-1]["length"] += n + 1  # the document and its separator
         offset += n + 1
-    num_tokens = int(sum(n for _, n in lengths))
+    num_new = int(sum(n for _, n in lengths))
     return {
-        "starts": starts, "shard_of": shard_of, "shards": shards, "num_documents": len(lengths),
-        "num_tokens": num_tokens, "num_new_documents": len(lengths), "num_new_tokens": num_tokens,
+        "starts": starts, "shard_of": shard_of, "shards": shards,
+        "num_documents": len(lengths) + (base.num_documents if base else 0),
+        "num_tokens": num_new + (base.num_tokens if base else 0),
+        "num_new_documents": len(lengths), "num_new_tokens": num_new,
     }
 
 
 def write_shard(keyed: tuple[int, list], plan: BuildPlan, layout: dict) -> int:
-    """One shard's stream and suffix array (built on the worker that holds only this shard)."""
+    """One shard's stream and suffix array (built on the worker that holds only this shard); a
+    parent's shard that takes new documents is rebuilt from its stream followed by theirs."""
     from specstore.runtime.sharded_suffix import shard_dir
 
     index, docs = keyed
     docs = sorted(docs, key=lambda d: d[0])
     stream, _ = join_documents([tokens for _, tokens in docs])
     expected = layout["shards"][index]
-    if len(stream) != expected["length"] or layout["starts"][docs[0][0]] != expected["offset"]:
+    if expected["base_length"]:
+        base_stream = np.load(shard_dir(Path(plan.base.files_dir), index) / STREAM_FILE)
+        stream = np.concatenate([base_stream, stream])
+    first = expected["offset"] + expected["base_length"]
+    if len(stream) != expected["length"] or layout["starts"][docs[0][0]] != first:
         raise RuntimeError(f"internal: shard {index} has {len(stream)} entries, layout says {expected}")
     save_suffix_index(shard_dir(Path(plan.files_dir), index), stream, build_suffix_array(stream))
     return index
+
+
+def reuse_shard(index: int, plan: BuildPlan, layout: dict):
+    """A parent's shard that takes no new documents: linked (or copied) into the new version."""
+    import os
+    import shutil
+
+    from specstore.runtime.sharded_suffix import shard_dir
+
+    shard = layout["shards"][index]
+    if shard["length"] != shard["base_length"]:
+        return []  # rebuilt by write_shard
+    source, target = shard_dir(Path(plan.base.files_dir), index), shard_dir(Path(plan.files_dir), index)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in (STREAM_FILE, SA_FILE):
+        (target / name).unlink(missing_ok=True)  # a rerun after an interruption
+        try:
+            os.link(source / name, target / name)  # no bytes copied; gc of the parent keeps this link
+        except OSError:
+            shutil.copyfile(source / name, target / name)
+    return [index]
 
 
 def write_fragment(staged: StagedBatch, normaliser: Normaliser | None, layout: dict, plan: BuildPlan):

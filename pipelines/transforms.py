@@ -114,12 +114,18 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
             | "CollectLengths" >> beam.combiners.ToList()
             | "AssignShards" >> beam.Map(steps.assign_shards, plan=plan)
         )
-        shards_done = (
+        built = (
             documents
             | "KeyByShard" >> beam.Map(lambda d, lay: (lay["shard_of"][d.doc_id], (d.doc_id, d.tokens)), lay=AsSingleton(layout))
             | "GroupShards" >> beam.GroupByKey()
             | "ShardSuffixArrays" >> beam.Map(steps.write_shard, plan=plan, layout=AsSingleton(layout))
         )
+        reused = (  # an append's untouched parent shards
+            p
+            | "ParentShards" >> beam.Create(list(range(len(plan.base.shards))) if plan.base else [])
+            | "ReuseShards" >> beam.FlatMap(steps.reuse_shard, plan=plan, layout=AsSingleton(layout))
+        )
+        shards_done = (built, reused) | "ShardsDone" >> beam.Flatten()
     fragments = embedded.staged | "WriteFragments" >> beam.FlatMap(
         steps.write_fragment, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan
     )

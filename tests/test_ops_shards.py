@@ -15,7 +15,8 @@ from specstore.runtime.datastore import Datastore
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
-from specstore.runtime.sharded_suffix import ShardedSuffixIndex
+from specstore.runtime.normaliser import NORMALISER_FILE
+from specstore.runtime.sharded_suffix import ShardedSuffixIndex, shard_files
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SuffixIndex, build_suffix_array, join_documents
 from tests.helpers import make_tiny_model
@@ -88,9 +89,32 @@ def tiny(tmp_path_factory) -> str:
 
 
 def test_sharded_build_equals_one_array(tiny, tmp_path):
-    store = _compare_builds(tiny, tmp_path)
-    with pytest.raises(SpecstoreError, match="sharded suffix array is not supported"):
-        build(store, "two", CORPUS[:1], model=tiny, mode="append", **OPTIONS)
+    _compare_builds(tiny, tmp_path)
+
+
+def test_append_onto_shards_equals_a_full_sharded_build(tiny, tmp_path):
+    store = Store(tmp_path / "s", create=True)
+    parent = build(store, "p", CORPUS[:2], model=tiny, sa_shard_tokens=150, **OPTIONS).manifest
+    parent_files = store.files_dir("p", parent.build_id)
+    with pytest.raises(SpecstoreError, match="keeps the parent's suffix-array layout"):
+        build(store, "p", CORPUS, model=tiny, mode="append", sa_shard_tokens=500, **OPTIONS)
+    appended = build(store, "p", CORPUS, model=tiny, mode="append", **OPTIONS).manifest
+    assert appended.settings["sa_shard_tokens"] == 150 and appended.lineage.added_documents > 0
+    reference = build(Store(tmp_path / "r", create=True), "p", CORPUS, model=tiny, sa_shard_tokens=150,
+                      normaliser=parent_files / NORMALISER_FILE, **OPTIONS).manifest
+    files, ref_files = store.files_dir("p", appended.build_id), Store(tmp_path / "r").files_dir("p", reference.build_id)
+    names = sorted(str(f.relative_to(files)) for f in shard_files(files))
+    assert names == sorted(str(f.relative_to(ref_files)) for f in shard_files(ref_files)) and len(names) > len(shard_files(parent_files))
+    for name in names:
+        np.testing.assert_array_equal(np.load(files / name), np.load(ref_files / name), err_msg=name)
+    a, b = _rows(store, appended), _rows(Store(tmp_path / "r"), reference)
+    for column in ("doc_id", "position", "offset", "token_id", "continuation", "continuation_len"):
+        assert a[column] == b[column], column
+    # the parent's untouched shards were reused: linked or copied, byte for byte
+    parent_names = [str(f.relative_to(parent_files)) for f in shard_files(parent_files)]
+    reused = [n for n in parent_names if (files / n).read_bytes() == (parent_files / n).read_bytes()]
+    assert reused == parent_names[:-2]  # and the last one took new documents, so it was rebuilt
+    Datastore.open(store, "p@2")  # every file verifies against the manifest's checksums
 
 
 @pytest.mark.slow
