@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstore.pipelines.corpus import Source
 import numpy as np
 
+from specstore.pipelines.corpus import Source
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.sharded_suffix import shard_files
 from specstore.runtime.store import Store, VersionRecord

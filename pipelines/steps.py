@@ -29,7 +29,13 @@ from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.render import Document, Rejection, prepare
 from specstore.pipelines.rows import rows_table
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
-from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE, build_suffix_array, join_documents, save_suffix_index
+from specstore.runtime.suffix_array import (
+    SA_FILE,
+    STREAM_FILE,
+    build_suffix_array,
+    join_documents,
+    save_suffix_index,
+)
 from specstore.schemas.tables import tokens_schema
 
 _SHARED = shared.Shared()  # one handle per process: models are loaded once per worker
