@@ -7,13 +7,14 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-all lint bench clean help
+.PHONY: install install-suffixdecoding demo test test-all lint bench clean help
 
 help:
 	@echo "make install   virtualenv in .venv with everything, default model provisioned into ~/.cache/specstore"
 	@echo "make demo      build a code and a chat datastore, show them, decode with every method"
 	@echo "make test      fast tests (CPU);  make test-all  adds the slow ones"
 	@echo "make lint      ruff;  make bench  the benchmark suite (long)"
+	@echo "make install-suffixdecoding  optional SuffixDecoding reference drafter (arctic-inference, built from source)"
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# optional: Snowflake's SuffixDecoding (arctic-inference) as a reference row in benchmarks.
+# PyPI has only its source; it builds on the CPU without vLLM against the torch installed above.
+install-suffixdecoding: install
+	$(PY) -m pip install -q nanobind==2.9.2 cmake ninja setuptools wheel
+	CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PY)) PATH=$(abspath $(VENV))/bin:$$PATH \
+		$(PY) -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
+	$(PY) -c "import arctic_inference.suffix_decoding; print('suffixdecoding: installed')"
 
 demo: install
 	$(PY) examples/demo.py

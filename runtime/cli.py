@@ -104,6 +104,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
     g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K")
     g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's")
+    g.add_argument("--draft-model", default=None, metavar="FOLDER",
+                   help="fallback drafter: a small Hugging Face model with the target's tokenizer (default: prompt lookup, model-free); "
+                   "its drafts are always verified strictly")
+    g.add_argument("--draft-tokens", type=int, default=4, metavar="N", help="tokens the draft model proposes per step (default 4)")
     p.set_defaults(handler=_cmd_generate)
 
     p = sub.add_parser(

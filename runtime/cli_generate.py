@@ -55,7 +55,10 @@ def run_generate(args: argparse.Namespace) -> int:
             datastore = opened[route.index]
             if not args.json:
                 print(f"[route] {datastore.ref} ({', '.join(f'{r} {v:.3f}' for r, v in route.scores.items())})", file=sys.stderr)
-    drafter = make_drafter(args.method, datastore, **respec_options(args))
+    extra = {}
+    if getattr(args, "draft_model", None):
+        extra["fallback"] = draft_model_fallback(args, loaded)
+    drafter = make_drafter(args.method, datastore, **respec_options(args), **extra)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
@@ -76,6 +79,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "method": args.method,
+            **({"respec": respec_stats(drafter)} if args.method == "respec" else {}),
             "datastore": datastore.ref if datastore is not None else None,
             "routing": route.scores if route is not None else None,
             "lossless": bool(getattr(drafter, "lossless", True)),
@@ -93,6 +97,35 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"[{args.method}] LOSSY: relaxed verification, {stats.get('num_relaxed', 0)} tokens accepted by the relaxed rule; "
               "the output may differ from plain decoding", file=sys.stderr)
     return 0
+
+
+def draft_model_fallback(args: argparse.Namespace, target):
+    """ReSpec's fallback from ``--draft-model``: loaded like the target (dtype, device); its
+    tokenizer must be the target's, since draft ids go to the target unchanged."""
+    from specstore.runtime.drafters.model import ModelDrafter
+    from specstore.runtime.models import load_model
+
+    if args.method != "respec":
+        raise SpecstoreError(f"--draft-model is ReSpec's fallback drafter; method '{args.method}' does not use one")
+    if args.draft_tokens < 1:
+        raise SpecstoreError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device)
+    if draft.info.tokenizer_hash != target.info.tokenizer_hash:
+        raise SpecstoreError(
+            f"--draft-model {args.draft_model}: its tokenizer differs from the target's "
+            f"(hash {draft.info.tokenizer_hash[:12]} vs {target.info.tokenizer_hash[:12]}); a draft model must share the tokenizer"
+        )
+    return ModelDrafter(draft.model, num_draft_tokens=args.draft_tokens)
+
+
+def respec_stats(drafter) -> dict:
+    """How ReSpec drafted: steps that retrieved, steps that fell back, and with what."""
+    fallback = getattr(drafter, "fallback", None)
+    return {
+        "retrieved_steps": int(getattr(drafter, "num_retrieved_steps", 0)),
+        "fallback_steps": int(getattr(drafter, "num_fallback_steps", 0)),
+        "fallback": getattr(fallback, "name", None),
+    }
 
 
 RESPEC_FLAGS = ("entropy_threshold", "score_threshold", "relaxed", "relaxed_top_k", "relaxed_ratio")

@@ -95,3 +95,36 @@ def test_corrupted_files_fail_with_one_line(capsys, tmp_path):
         code = main(["generate", "--store", str(store.root), "--model", str(tmp_path / "model"), "--datastore", "code",
                      "--method", "dresd", "--prompt", "x", "--dtype", "float32"])
         assert "fails its checksum" in error_line(code, capsys.readouterr().err)
+
+
+def test_respec_with_a_draft_model_fallback(capsys, tiny, tmp_path):
+    from tests.helpers import make_tiny_model
+
+    folder, _ = tiny
+    draft = make_tiny_model(tmp_path / "draft", seed=3, layers=1)  # another model, the same tokenizer
+    code, out, _ = run(capsys, folder, "--method", "respec", "--datastore", "code", "--json", "--entropy-threshold", "0",
+                       "--draft-model", str(draft), "--draft-tokens", "3")
+    assert code == 0, out
+    result = json.loads(out)
+    # threshold 0: never retrieves, so every drafting step is the draft model's
+    stats = result["respec"]
+    assert stats["fallback"] == "model" and stats["retrieved_steps"] == 0 and 0 < stats["fallback_steps"] <= result["stats"]["steps"]
+    assert result["lossless"] is True
+    _, ar_out, _ = run(capsys, folder, "--method", "ar", "--json")
+    assert result["token_ids"] == json.loads(ar_out)["token_ids"]  # strict verification of model drafts
+    # the target as its own draft model: its greedy drafts are all accepted (float32)
+    code, out, _ = run(capsys, folder, "--method", "respec", "--datastore", "code", "--json", "--entropy-threshold", "0",
+                       "--draft-model", str(folder / "model"), "--draft-tokens", "3")
+    assert json.loads(out)["stats"]["mat"] > 2.5
+
+    other = tmp_path / "other"
+    shutil.copytree(draft, other)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.add_special_tokens({"additional_special_tokens": ["<|specstore-test|>"]})
+    tok.save_pretrained(str(other))
+    code, _, err = run(capsys, folder, "--method", "respec", "--datastore", "code", "--draft-model", str(other))
+    assert "tokenizer differs from the target's" in error_line(code, err)
+    code, _, err = run(capsys, folder, "--method", "rest", "--datastore", "code", "--draft-model", str(draft))
+    assert "does not use one" in error_line(code, err)

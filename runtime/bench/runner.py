@@ -32,7 +32,7 @@ from specstore.runtime.models import load_model
 from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord
 
 HF_METHODS = ("hf", "hf-pld")
-NEEDS_DATASTORE = ("rest", "dresd", "respec")
+NEEDS_DATASTORE = ("rest", "dresd", "respec", "suffixdecoding")
 LOSSY_OPTIONS = ("relaxed",)
 
 

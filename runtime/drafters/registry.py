@@ -21,6 +21,8 @@ FACTORIES: dict[str, str | Callable[..., Drafter]] = {
     "rest": "specstore.runtime.drafters.rest:create",  # retrieval side (issue 3): suffix array
     "dresd": "specstore.runtime.drafters.dresd:create",  # retrieval side (issue 3): dense index
     "respec": "specstore.runtime.drafters.respec:create",  # issue 4: entropy trigger, EMA-ranked hybrid pool
+    # reference row, not a specstore method: needs the optional arctic-inference build
+    "suffixdecoding": "specstore.runtime.drafters.suffixdecoding:create",
 }
 
 
