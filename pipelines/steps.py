@@ -130,13 +130,30 @@ class GenerateFn(beam.DoFn):
 
 class EmbedFn(beam.DoFn):
     """A batch of documents -> a staging file of raw hidden states (main) and their
-    normaliser statistics (``stats``). Hidden states never travel through Beam."""
+    normaliser statistics (``stats``). Hidden states never travel through Beam.
+
+    Statistics are summed over the bundle and emitted once, in ``finish_bundle``: an H x H
+    float64 matrix per batch (2.6 MB for the default model) would otherwise pile up in the
+    runner's buffers until the normaliser's combine runs (peak memory growing with the corpus).
+    """
 
     def __init__(self, plan: BuildPlan):
         self.plan = plan
 
     def setup(self):
         self.loaded = _model(self.plan)
+
+    def start_bundle(self):
+        self.stats = None
+
+    def finish_bundle(self):
+        if self.stats is not None:
+            from apache_beam.transforms.window import GlobalWindow
+            from apache_beam.utils.timestamp import MIN_TIMESTAMP
+            from apache_beam.utils.windowed_value import WindowedValue
+
+            yield beam.pvalue.TaggedOutput("stats", WindowedValue(self.stats, MIN_TIMESTAMP, [GlobalWindow()]))
+            self.stats = None
 
     def process(self, docs: list[Document]):
         docs = sorted(docs, key=lambda d: d.doc_id)
@@ -146,7 +163,8 @@ class EmbedFn(beam.DoFn):
             [d.doc_id for d in docs], [d.tokens for d in docs], hidden, self.plan.spill_dtype,
         )
         _progress("embed", staged.num_tokens, self.plan.progress)
-        yield beam.pvalue.TaggedOutput("stats", NormStats.of(sample_rows(np.concatenate(hidden), self.plan.fit_rows_per_batch)))
+        stats = NormStats.of(sample_rows(np.concatenate(hidden), self.plan.fit_rows_per_batch))
+        self.stats = stats if self.stats is None else self.stats.merge(stats)
         yield staged
 
 

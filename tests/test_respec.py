@@ -119,12 +119,34 @@ def test_candidates_under_the_threshold_never_reach_the_verifier(monkeypatch):
     assert tree.tokens.tolist() == [7, 8] and fallback.calls == 1 and tree.meta["retrieved"] == [False, False]
 
 
+def test_draft_length_follows_the_score(monkeypatch):
+    import specstore.runtime.drafters.respec as respec
+
+    pool = [Candidate(("suffix", -1), list(range(10, 20))), Candidate(("dense", -2), list(range(20, 30)))]
+    monkeypatch.setattr(respec, "gather", lambda *a: [Candidate(c.key, list(c.tokens)) for c in pool])
+    drafter = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=2.0, draft_length=8), StubDrafter())
+    drafter.scores = {("suffix", -1): 0.6, ("dense", -2): 2.2}
+    assert drafter.draft_length_for(("suffix", -1), 8) == 3 and drafter.draft_length_for(("dense", -2), 8) == 6
+    assert drafter.draft_length_for(("new", 0), 8) == 3  # prior score 1: ceil(2) + 1
+    assert drafter.draft_length_for(("dense", -2), 4) == 4 and drafter.draft_length_for(("zero", 0), 8) == 3
+    drafter.scores[("zero", 0)] = 0.0
+    assert drafter.draft_length_for(("zero", 0), 8) == 1
+    tree = drafter.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8))
+    paths = [tree.tokens[nodes].tolist() for nodes in tree.meta["path_nodes"]]
+    assert paths == [list(range(20, 26)), list(range(10, 13))]  # best score first, each cut to its length
+    off = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=0.0, draft_length=8), StubDrafter())
+    tree = off.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8))
+    assert sorted(len(n) for n in tree.meta["path_nodes"]) == [10, 10]  # 0: candidates as gathered (gather cuts to draft_length)
+    with pytest.raises(ValueError, match="length_factor"):
+        ReSpecConfig(length_factor=-1)
+
+
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
     return own_output_datastore(tmp_path_factory.mktemp("respec-own"))
 
 
-@pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf}])
+@pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf}, {"entropy_threshold": math.inf, "length_factor": 0.0}])
 def test_respec_greedy_output_is_identical_to_ar_and_accepts(own, options):
     store, loaded, ar = own
     drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), **options)

@@ -53,6 +53,7 @@ identical to ar, token similarity 0.77; top-k 2, ratio 0.5: 13 in 959, 4/10, 0.8
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +76,10 @@ class ReSpecConfig:
     ema_alpha: float = 0.5  # weight of the newest observation
     max_candidates: int = 2  # candidates merged per step
     max_nodes: int = 24  # trie size cap (CPU verification: every node must earn its place)
-    draft_length: int = 8  # tokens per candidate after the pending one
+    draft_length: int = 8  # most tokens per candidate after the pending one
+    # a candidate drafts ceil(length_factor x its score) + 1 tokens (at most draft_length):
+    # keys that have been accepted for long runs draft long, new or failing ones short (0 = off)
+    length_factor: float = 0.0
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -84,6 +88,8 @@ class ReSpecConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.length_factor < 0:
+            raise ValueError(f"length_factor must be >= 0, got {self.length_factor}")
         if self.max_candidates < 1 or self.max_nodes < 1 or self.draft_length < 1:
             raise ValueError("max_candidates, max_nodes and draft_length must be >= 1")
 
@@ -121,6 +127,10 @@ class ReSpecDrafter:
         self.scores[key] = (1.0 - a) * self.score(key) + a * accepted
         return self.scores[key]
 
+    def draft_length_for(self, key: tuple[str, int], limit: int) -> int:
+        """Tokens a candidate may draft: ``ceil(length_factor x score) + 1``, within ``limit``."""
+        return max(1, min(limit, math.ceil(self.config.length_factor * self.score(key)) + 1))
+
     def triggers(self, state: DecodeState) -> bool:
         """Retrieve this step? True when the next-token entropy is under the threshold (or unknown)."""
         if state.last_logits is None:
@@ -137,6 +147,9 @@ class ReSpecDrafter:
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
+            if cfg.length_factor > 0:
+                for c in chosen:
+                    c.tokens = c.tokens[: self.draft_length_for(c.key, length)]
             if chosen:
                 self.num_retrieved_steps += 1
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
