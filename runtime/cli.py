@@ -99,8 +99,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g = p.add_argument_group("respec", "ReSpec thresholds (defaults and how they were measured: runtime/drafters/respec.py)")
-    g.add_argument("--entropy-threshold", type=float, default=None, metavar="NATS", help="retrieve only when the next-token entropy is below this")
-    g.add_argument("--score-threshold", type=float, default=None, metavar="TOKENS", help="draft only candidates whose EMA of accepted tokens reaches this")
+    g.add_argument("--entropy-threshold", type=float, default=None, metavar="NATS", help="retrieve only when the next-token entropy is below this (default 4.0)")
+    g.add_argument("--max-candidates", type=int, default=None, metavar="N", help="retrieved candidates merged into one draft tree per step (default 3)")
+    g.add_argument("--length-factor", type=float, default=None, metavar="F",
+                   help="a candidate drafts ceil(F x its score) + 1 tokens, at most 8 (default 2; 0 = always 8)")
+    g.add_argument("--score-threshold", type=float, default=None, metavar="TOKENS", help="draft only candidates whose EMA of accepted tokens reaches this (default 0.5)")
     g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
     g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K")
     g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's")

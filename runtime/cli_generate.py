@@ -128,7 +128,7 @@ def respec_stats(drafter) -> dict:
     }
 
 
-RESPEC_FLAGS = ("entropy_threshold", "score_threshold", "relaxed", "relaxed_top_k", "relaxed_ratio")
+RESPEC_FLAGS = ("entropy_threshold", "score_threshold", "max_candidates", "length_factor", "relaxed", "relaxed_top_k", "relaxed_ratio")
 
 
 def respec_options(args: argparse.Namespace) -> dict:

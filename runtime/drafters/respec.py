@@ -14,33 +14,46 @@ Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the rel
    ``prior_score``. Updated in ``observe`` from ``tree.meta["candidate_keys"]``,
    ``tree.meta["path_nodes"]`` and ``result.accepted_nodes``. Scores live for one request.
 3. Selection. Candidates with ``score >= score_threshold``, best score first (ties: the pool's
-   order, which interleaves context, suffix array and dense by rank), at most ``max_candidates``, merged into one trie of at
-   most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier.
+   order, which interleaves context, suffix array and dense by rank), at most ``max_candidates``,
+   each cut to ``ceil(length_factor x score) + 1`` tokens (a new key: 3), merged into one trie of
+   at most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier.
 4. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
    nodes may be accepted by the relaxed top-k / ratio / look-ahead rule (relaxed.py); model-made
    fallback drafts stay strict; the drafter reports ``lossless = False``.
 
-Defaults (measured with ``benchmarks/respec_sweep.py``: model-free replay of the default
-model's greedy float32 answers, 128 tokens, on 12 CodeAlpaca questions outside both the
-datastore and the benchmark slice (code_alpaca_2k records 300-311) and MT-Bench questions 1-6;
-datastore = code_alpaca_2k's first 300 records, 37k tokens). Estimated CPU speedup =
-MAT / verify cost of the draft nodes (FINDINGS: 1.1x at 8 nodes, 1.3x at 16):
+Defaults (``entropy_threshold`` 4 nats, ``max_candidates`` 3, ``length_factor`` 2,
+``score_threshold`` 0.5) were chosen with ``benchmarks/reference_compare.py --split tune``:
+model-free replay of the default model's float32 greedy answers (128 tokens) to the *tune*
+questions (CodeAlpaca records 1960-1989, MT-Bench questions 5-8 of each category; the *eval*
+split reported in BENCHMARKS.md played no part in the choice) on four datastores: code-full (0.93M tokens),
+chat-large (1.04M), code-ood (69k) and chat-ood (100k). Cells: MAT / draft nodes per step /
+estimated CPU speedup = MAT / verification cost of that many nodes (FINDINGS: 1.1x a 1-token
+step at 8 nodes, 1.3x at 16, 2.4x at 64, linear in between):
 
-| entropy_threshold (max_candidates 3) | 0.25 | 0.5 | 0.75 | 1.0 | 2.0 | inf |
-|---|---|---|---|---|---|---|
-| code MAT / nodes per step | 1.51 / 7.2 | 1.56 / 8.4 | 1.59 / 10.0 | 1.62 / 11.2 | 1.72 / 14.4 | 1.77 / 16.2 |
-| code est. speedup | 1.38 | 1.40 | 1.38 | 1.37 | 1.36 | 1.36 |
-| MT-Bench MAT / nodes | 1.30 / 5.1 | 1.31 / 5.6 | 1.32 / 6.4 | 1.32 / 6.9 | 1.33 / 9.3 | 1.34 / 13.2 |
+| entropy / candidates / length_factor | code-full | chat-large | code-ood | chat-ood |
+|---|---|---|---|---|
+| 0.75 / 2 / 0 (previous defaults) | 1.85 / 8.2 / 1.67 | 1.56 / 6.6 / 1.45 | 1.66 / 8.0 / 1.51 | 1.51 / 6.5 / 1.40 |
+| inf / 2 / 0 | 2.19 / 13.7 / 1.77 | 1.79 / 14.2 / 1.42 | 1.80 / 12.8 / 1.48 | 1.63 / 12.8 / 1.33 |
+| inf / 3 / 0 | 2.32 / 19.3 / 1.69 | 1.87 / 20.3 / 1.34 | 1.86 / 17.9 / 1.39 | 1.71 / 18.1 / 1.27 |
+| 0.75 / 3 / 2 | - | - | 1.66 / 5.2 / 1.56 | 1.52 / 4.7 / 1.43 |
+| 1.5 / 3 / 2 | 1.99 / 6.0 / 1.85 | 1.63 / 5.4 / 1.53 | - | - |
+| 2.5 / 3 / 2 | 2.08 / 6.6 / 1.92 | 1.70 / 6.2 / 1.57 | - | - |
+| **4 / 3 / 2 (defaults)** | 2.14 / 7.1 / 1.97 | 1.78 / 7.1 / 1.63 | - | - |
+| inf / 3 / 2 | 2.16 / 7.2 / 1.98 | 1.81 / 7.5 / 1.66 | 1.79 / 6.8 / 1.65 | 1.67 / 6.9 / 1.53 |
+| inf / 3 / 3 | 2.23 / 9.7 / 1.96 | 1.83 / 10.2 / 1.58 | - | - |
+| SuffixDecoding, for reference | 1.77 / 3.0 / 1.71 | 1.60 / 2.3 / 1.55 | 1.57 / 2.0 / 1.53 | 1.50 / 1.8 / 1.47 |
 
-MAT rises with the threshold but the tree grows faster, so the estimated speedup is flat to
-falling above ~0.75 nats; with ``max_candidates=2`` at 0.75: code 1.55 MAT / 7.7 nodes (est.
-1.41, the best of the grid), MT-Bench 1.31 / 5.3 (1.23). ``score_threshold`` 0, 0.3 and 0.5 gave
-identical results at entropy thresholds <= 0.75 (with ``prior_score`` 1 and ``ema_alpha`` 0.5 a
-key drops out after two misses in a row); at thresholds >= 2 the 0.5 gate cost MT-Bench MAT
-(1.33 -> 1.30). Baselines in the same replay: pld 1.39 / 1.30, rest (24 nodes) 1.32 / 1.04,
-dresd (k 3, 24 nodes) 1.44 / 1.08 MAT. ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3 were not
-swept (relaxed acceptance cannot be replayed without the target's logits off the reference);
-see ``benchmarks/respec_relaxed.py`` for their measured effect.
+With a fixed draft length, retrieving more often raised MAT but grew the tree faster (the
+previous defaults came from that trade-off on a 37k-token datastore). Letting each candidate
+draft only as far as its score has earned (``length_factor``) keeps trees at ~7 nodes, and then
+retrieving at almost every step is best on every datastore: the estimated speedup rises with the
+entropy threshold up to ~4 nats and is flat beyond (inf is within 1.5%). 4 nats keeps the
+trigger for near-uniform steps. ``score_threshold`` 0, 0.3 and 0.5 gave identical results in the
+earlier sweep (``benchmarks/respec_sweep.py``). ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3
+were not swept (relaxed acceptance cannot be replayed without the target's logits off the
+reference); see ``benchmarks/respec_relaxed.py`` for their measured effect.
+
+The figures below were measured with the previous defaults (0.75 / 2 / 0):
 
 Measured end to end (``specstore bench``, same datastore, CodeAlpaca questions 1900-1909, 128
 tokens, CPU, one thread): bfloat16 MAT / speedup over ar: pld 1.41 / 1.21x, rest 1.30 / 1.08x,
@@ -70,16 +83,16 @@ MODEL_SOURCES = ("model",)  # drafts from these sources are always verified stri
 
 @dataclass(frozen=True, slots=True)
 class ReSpecConfig:
-    entropy_threshold: float = 0.75  # nats; retrieve only below it (inf = always, 0 = never)
+    entropy_threshold: float = 4.0  # nats; retrieve only below it (inf = always, 0 = never)
     score_threshold: float = 0.5  # EMA accepted tokens a candidate needs to be drafted
     prior_score: float = 1.0  # EMA of a key never used before
     ema_alpha: float = 0.5  # weight of the newest observation
-    max_candidates: int = 2  # candidates merged per step
+    max_candidates: int = 3  # candidates merged per step
     max_nodes: int = 24  # trie size cap (CPU verification: every node must earn its place)
     draft_length: int = 8  # most tokens per candidate after the pending one
     # a candidate drafts ceil(length_factor x its score) + 1 tokens (at most draft_length):
     # keys that have been accepted for long runs draft long, new or failing ones short (0 = off)
-    length_factor: float = 0.0
+    length_factor: float = 2.0
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
