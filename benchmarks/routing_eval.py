@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
+    from specstore.runtime.api import prompt_ids
     from specstore.runtime.bench.report import load_result
     from specstore.runtime.bench.simulate import reference_states, references_from, simulate_one
     from specstore.runtime.datastore import Datastore
@@ -44,6 +45,7 @@ def main() -> int:
     lm = load_model(None, dtype="float32")
     opened = [Datastore.open(args.store, n, model_info=lm.info, dense=True) for n in names]
     router = Router(opened)
+    template = prompt_ids(lm.tokenizer, "")  # the chat template around an empty message
     ctx = context_limit(lm.model)
     drafters = [make_drafter(args.method, ds) for ds in opened]
     rows = []
@@ -53,7 +55,7 @@ def main() -> int:
         picked, tokens, steps = 0, 0, 0
         single = [[0, 0] for _ in opened]
         for ref in refs:
-            route = router.route(lm.model, ref.prompt_ids)
+            route = router.route(lm.model, ref.prompt_ids, template)
             picked += route.index == truth
             states = reference_states(lm.model, ref)
             for i, drafter in enumerate(drafters):

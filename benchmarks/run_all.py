@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import subprocess
 import sys
@@ -124,6 +125,10 @@ def main() -> int:
         ("code_ood", "code-ood", code, ["--skip", "1900", *limit], "ar,pld,rest,dresd,respec,hf,hf-pld"),
         ("code_id", "code-id", code, ["--skip", "1900", *limit], "ar,pld,rest,dresd,respec"),
     ]
+    if importlib.util.find_spec("arctic_inference") is not None:  # `make install-suffixdecoding`
+        runs = [(label, ds, q, extra, methods + ",suffixdecoding") for label, ds, q, extra, methods in runs]
+    else:
+        print("SuffixDecoding is not installed (make install-suffixdecoding): no reference row", flush=True)
     results = []
     for label, ds, questions, extra, methods in runs:
         path = out / f"{label}.json"

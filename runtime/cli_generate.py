@@ -51,7 +51,7 @@ def run_generate(args: argparse.Namespace) -> int:
             from specstore.runtime.api import prompt_ids
             from specstore.runtime.router import Router
 
-            route = Router(opened).route(loaded.model, prompt_ids(loaded.tokenizer, args.prompt))
+            route = Router(opened).route(loaded.model, prompt_ids(loaded.tokenizer, args.prompt), prompt_ids(loaded.tokenizer, ""))
             datastore = opened[route.index]
             if not args.json:
                 print(f"[route] {datastore.ref} ({', '.join(f'{r} {v:.3f}' for r, v in route.scores.items())})", file=sys.stderr)

@@ -1,7 +1,9 @@
 """Domain routing: pick, per request, which of several opened datastores to draft from.
 
-Owns the choice only: the prompt's last-layer hidden states are put through each datastore's
-own normaliser (a datastore's vectors live in its own reduced space), averaged, and compared by
+Owns the choice only: the prompt's last-layer hidden states (without the positions it shares
+with the chat template, when the caller passes it: on MT-Bench first turns that lifted routing
+to the chat datastore from 12/32 to 25/32, benchmarks/routing_eval.py) are put through each
+datastore's own normaliser (a datastore's vectors live in its own reduced space), averaged, and compared by
 cosine similarity with that datastore's ``manifest.domain_centroid`` (the mean of its rows,
 written by the build); the closest wins. Does not own opening datastores or decoding.
 """
@@ -35,11 +37,18 @@ class Router:
         self.datastores = datastores
         self._centroids = [np.asarray(ds.manifest.domain_centroid, dtype=np.float64) for ds in datastores]
 
-    def route(self, model, prompt_ids: list[int]) -> Route:
-        """Score the prompt (token ids, as the model sees it) against every datastore."""
+    def route(self, model, prompt_ids: list[int], template_ids: list[int] | None = None) -> Route:
+        """Score the prompt (token ids, as the model sees it) against every datastore.
+
+        ``template_ids``: the chat template around an empty message (``api.prompt_ids(tok, "")``);
+        the positions the prompt shares with it at its start and end (system prompt, role
+        markers) are left out of the average, so that short prompts are judged by their content
+        and not by the template every datastore of chat data also holds."""
         device = next(model.parameters()).device
         with torch.inference_mode():
             hidden = hidden_states(model, torch.tensor([prompt_ids], device=device))[0].cpu().numpy()
+        start, end = content_span(prompt_ids, template_ids)
+        hidden = hidden[start:end]
         scores = {}
         for ds, centroid in zip(self.datastores, self._centroids, strict=True):
             mean = ds.normaliser.apply(hidden).astype(np.float64).mean(axis=0)
@@ -47,5 +56,20 @@ class Router:
         best = max(range(len(self.datastores)), key=lambda i: scores[self.datastores[i].ref])
         return Route(best, scores)
 
-    def pick(self, model, prompt_ids: list[int]):
-        return self.datastores[self.route(model, prompt_ids).index]
+    def pick(self, model, prompt_ids: list[int], template_ids: list[int] | None = None):
+        return self.datastores[self.route(model, prompt_ids, template_ids).index]
+
+
+def content_span(prompt_ids: list[int], template_ids: list[int] | None) -> tuple[int, int]:
+    """``[start, end)`` of the prompt without the prefix and suffix it shares with the template
+    (the whole prompt when there is no template or nothing would be left)."""
+    n = len(prompt_ids)
+    if not template_ids:
+        return 0, n
+    start = 0
+    while start < min(n, len(template_ids)) and prompt_ids[start] == template_ids[start]:
+        start += 1
+    tail = 0
+    while tail < min(n - start, len(template_ids) - start) and prompt_ids[n - 1 - tail] == template_ids[-1 - tail]:
+        tail += 1
+    return (start, n - tail) if n - tail > start else (0, n)
