@@ -43,6 +43,30 @@ _BARS: dict[str, object] = {}
 _BARS_LOCK = threading.Lock()
 
 
+def _libc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_memory() -> None:
+    """Give the heap's free pages back to the OS after a batch (glibc ``malloc_trim``).
+
+    Each batch allocates and frees hundreds of MB of differently shaped arrays; glibc keeps the
+    freed pages, so a worker's resident memory grew with the corpus (in-process loop, 600 chat
+    documents, 198k tokens: 690 -> 1,350 MiB over 50 batches; with a trim after each batch
+    690 -> 876 MiB, at the same speed). A no-op where the C library is not glibc.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _progress(desc: str, amount: int, enabled: bool) -> None:
     """Advance this process' progress bar ``desc`` (tqdm, created on first use)."""
     if not enabled:
@@ -124,6 +148,7 @@ class GenerateFn(beam.DoFn):
         pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
         docs = generate_responses(self.loaded.model, [p.tokens for p in prompts], max_new_tokens=self.plan.max_new_tokens, pad_id=pad, eos_ids=eos)
         _progress("generate", sum(len(d) - len(p.tokens) for d, p in zip(docs, prompts, strict=True)), self.plan.progress)
+        release_memory()
         for p, d in zip(prompts, docs, strict=True):
             yield Document(p.doc_id, d[: self.plan.max_doc_tokens])
 
@@ -165,6 +190,8 @@ class EmbedFn(beam.DoFn):
         _progress("embed", staged.num_tokens, self.plan.progress)
         stats = NormStats.of(sample_rows(np.concatenate(hidden), self.plan.fit_rows_per_batch))
         self.stats = stats if self.stats is None else self.stats.merge(stats)
+        del hidden
+        release_memory()
         yield staged
 
 
@@ -306,11 +333,14 @@ def write_fragment(staged: StagedBatch, normaliser: Normaliser | None, layout: d
     embeddings = normaliser.apply(hidden)
     table = rows_table(doc_ids, docs, [layout["starts"][d] for d in doc_ids], embeddings, plan.continuation_length)
     fragments = write_fragments(table, plan.table_uri, schema=tokens_schema(plan.pca_dims, plan.continuation_length))
+    embedding_sum = embeddings.astype(np.float64).sum(axis=0).tolist()
+    del hidden, embeddings
+    release_memory()
     yield {
         "first_offset": int(min(layout["starts"][d] for d in doc_ids)),
         "fragments": [json.dumps(f.to_json()) for f in fragments],
         "num_rows": table.num_rows,
-        "embedding_sum": embeddings.astype(np.float64).sum(axis=0).tolist(),
+        "embedding_sum": embedding_sum,
     }
 
 
