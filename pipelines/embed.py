@@ -19,15 +19,17 @@ import torch
 from specstore.runtime.forward import hidden_states
 
 
-def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+def plan_batches(lengths: list[int], batch_tokens: int, min_fill: float = 0.8) -> list[list[int]]:
     """Indices grouped into batches whose padded size (count x longest) stays within
-    ``batch_tokens`` (a longer document gets a batch of its own); longest documents first."""
+    ``batch_tokens`` (a longer document gets a batch of its own); longest documents first.
+    A batch also closes before a document shorter than ``min_fill`` x its longest, so each row
+    is at least that full (padding under 1 - min_fill of a batch)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > batch_tokens:
+        if current and ((len(current) + 1) * longest > batch_tokens or lengths[i] < min_fill * longest):
             batches.append(current)
             current = []
         current.append(i)
@@ -61,11 +63,14 @@ def embed_documents(model, docs: list[np.ndarray]) -> list[np.ndarray]:
     """Last hidden layer for every token of each document: list of float32 [T_i, H].
 
     Right padding: real tokens never attend to padding under the causal mask, so each row's
-    vectors equal a forward of that document alone (to float noise).
+    vectors equal a forward of that document alone (to float noise), and no padding mask is
+    needed: without one the attention runs its plain causal kernel, which with a mask it cannot
+    (bench_build: embedding / raw forward 0.58 -> see BENCHMARKS.md). Padding rows' own vectors
+    are computed and dropped.
     """
     device = next(model.parameters()).device
-    ids, mask = padded(docs, 0)
-    hidden = hidden_states(model, ids.to(device), mask.to(device)).cpu().numpy()
+    ids, _ = padded(docs, 0)
+    hidden = hidden_states(model, ids.to(device)).cpu().numpy()
     return [hidden[row, : len(d)] for row, d in enumerate(docs)]
 
 

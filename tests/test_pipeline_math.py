@@ -97,4 +97,11 @@ def test_plan_batches_respects_padded_budget():
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 120
     assert batches[0] == [5]  # the longest first, alone past the budget
+    # every row of a batch is at least min_fill full
+    lengths = [100, 95, 90, 79, 70, 64, 10, 9, 8]
+    batches = plan_batches(lengths, 10_000, min_fill=0.8)
+    assert batches == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    for b in batches:
+        assert min(lengths[i] for i in b) >= 0.8 * max(lengths[i] for i in b)
+    assert plan_batches(lengths, 10_000, min_fill=0.0) == [list(range(9))]
     assert length_bucket(10) == 0 and length_bucket(1000) > length_bucket(600) >= length_bucket(513)
