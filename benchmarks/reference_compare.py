@@ -27,38 +27,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+from run_all import DATA, ROOT, prepare_chat, sample_mt_bench  # this folder's suite script
+
 CODE = DATA / "codealpaca" / "code_alpaca_2k.jsonl.gz"
 
 
 def prepare(corpora: Path) -> dict[str, Path]:
+    """The two corpora and the two MT-Bench splits (chat rows and MT-Bench sampling as in run_all.py)."""
     corpora.mkdir(parents=True, exist_ok=True)
     code_rows = [json.loads(line) for line in gzip.open(CODE, "rt")]
     extra = [json.loads(line) for line in gzip.open(DATA / "codealpaca" / "new_codealpaca.jsonl.gz", "rt")]
     held = {r["instruction"].strip().lower() for r in code_rows[1900:]}
     code = [{"instruction": r["instruction"], "input": r.get("input", ""), "output": r["output"]}
             for r in code_rows[:1900] + extra if r["instruction"].strip().lower() not in held]
-    questions = [json.loads(line) for line in open(DATA / "mt_bench" / "question.jsonl")]
-    turns = {t.strip().lower() for q in questions for t in q["turns"]}
-    chat = []
-    with gzip.open(DATA / "alpaca_eval_outputs" / "model_outputs_37models.jsonl.gz", "rt") as handle:
-        for line in handle:
-            row = json.loads(line)
-            if row["instruction"].strip().lower() not in turns:
-                chat.append({"instruction": row["instruction"], "output": row["output"]})
-            if len(chat) >= 3000:
-                break
-    by_category: dict[str, list] = {}
-    for q in questions:
-        by_category.setdefault(q["category"], []).append(q)
-    paths = {"code": corpora / "code_full.jsonl", "chat": corpora / "chat_large.jsonl",
-             "mt_eval": corpora / "mt_bench_eval32.jsonl", "mt_tune": corpora / "mt_bench_tune32.jsonl"}
-    for key, rows in (("code", code), ("chat", chat),
-                      ("mt_eval", [q for c in by_category.values() for q in c[:4]]),
-                      ("mt_tune", [q for c in by_category.values() for q in c[4:8]])):
-        paths[key].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return paths
+    code_path = corpora / "code_full.jsonl"
+    code_path.write_text("".join(json.dumps(r) + "\n" for r in code))
+    chat_path, _ = prepare_chat(corpora / "chat_large", 3000, 0)
+    return {"code": code_path, "chat": chat_path,
+            "mt_eval": sample_mt_bench(corpora, 4, 0), "mt_tune": sample_mt_bench(corpora, 4, 4)}
 
 
 def run(cmd: list[str], log: Path | None = None) -> str:

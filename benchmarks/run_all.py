@@ -73,15 +73,17 @@ def prepare_chat(out: Path, records: int, id_records: int) -> tuple[Path, Path]:
     return ood_path, id_path
 
 
-def sample_mt_bench(out: Path, per_category: int) -> Path:
-    """The first ``per_category`` questions of each MT-Bench category (all 8 categories covered)."""
+def sample_mt_bench(out: Path, per_category: int, first: int = 0) -> Path:
+    """``per_category`` questions of each MT-Bench category (all 8 categories covered), from the
+    ``first``-th question of each category on."""
     rows = [json.loads(line) for line in open(DATA / "mt_bench" / "question.jsonl")]
     picked, counts = [], {}
     for r in rows:
-        if counts.get(r["category"], 0) < per_category:
+        rank = counts.get(r["category"], 0)
+        if first <= rank < first + per_category:
             picked.append(r)
-            counts[r["category"]] = counts.get(r["category"], 0) + 1
-    path = out / f"mt_bench_{per_category}_per_category.jsonl"
+        counts[r["category"]] = rank + 1
+    path = out / f"mt_bench_{per_category}_per_category{f'_from_{first}' if first else ''}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in picked))
     return path
 

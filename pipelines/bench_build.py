@@ -77,8 +77,8 @@ def _stages(args, workdir: Path) -> dict:
 
     batches = plan_batches([len(d.tokens) for d in docs], args.batch_tokens)
     staging, staged, stats = workdir / "staging", [], NormStats.empty(loaded.info.hidden_size)
-    padded_tokens = sum(len(b) * max(len(docs[i].tokens) for i in b) for b in batches)
     shapes = [(len(b), max(len(docs[i].tokens) for i in b)) for b in batches]
+    padded_tokens = sum(rows * width for rows, width in shapes)
     gen = torch.Generator().manual_seed(0)
 
     def raw_forward() -> float:

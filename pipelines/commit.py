@@ -59,14 +59,19 @@ def link_base_fragments(base: BaseVersion, table_uri: str) -> list:
         if meta.deletion_file is not None:
             raise SpecstoreError(f"tokens table {base.table_uri} has deleted rows; append needs a complete parent")
         for data_file in fragment.data_files():
-            src, dst = Path(base.table_uri) / "data" / data_file.path, data_dir / data_file.path
-            if not dst.exists():
-                try:
-                    os.link(src, dst)
-                except OSError:
-                    shutil.copy2(src, dst)
+            link_or_copy(Path(base.table_uri) / "data" / data_file.path, data_dir / data_file.path)
         metadata.append(meta)
     return metadata
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes a hard link to ``src`` (a copy across devices): no bytes copied, and gc of
+    the version that owns ``src`` leaves ``dst`` intact. Replaces what a crashed run left at ``dst``."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def finalise(

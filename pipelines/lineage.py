@@ -54,7 +54,7 @@ class BaseVersion:
             shards.append((offset, length))
             offset += length
         return cls(
-            version=record.version, build_id=m.build_id, files_dir=str(store.files_dir(m.name, m.build_id)),
+            version=record.version, build_id=m.build_id, files_dir=str(files),
             table_uri=store.table_uri(m.tokens_table), num_documents=m.num_documents, num_tokens=m.num_tokens,
             num_sources=len(m.sources), embedding_sum=tuple(float(c) * m.num_tokens for c in centroid),
             shards=tuple(shards),

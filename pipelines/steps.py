@@ -17,6 +17,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.utils import shared
 
+from specstore.pipelines.commit import link_or_copy
 from specstore.pipelines.embed import (
     StagedBatch,
     embed_documents,
@@ -29,6 +30,7 @@ from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.render import Document, Rejection, prepare
 from specstore.pipelines.rows import rows_table
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
+from specstore.runtime.sharded_suffix import shard_dir
 from specstore.runtime.suffix_array import (
     SA_FILE,
     STREAM_FILE,
@@ -286,8 +288,6 @@ def assign_shards(lengths: list[tuple[int, int]], plan: BuildPlan) -> dict:
 def write_shard(keyed: tuple[int, list], plan: BuildPlan, layout: dict) -> int:
     """One shard's stream and suffix array (built on the worker that holds only this shard); a
     parent's shard that takes new documents is rebuilt from its stream followed by theirs."""
-    from specstore.runtime.sharded_suffix import shard_dir
-
     index, docs = keyed
     docs = sorted(docs, key=lambda d: d[0])
     stream, _ = join_documents([tokens for _, tokens in docs])
@@ -304,22 +304,13 @@ def write_shard(keyed: tuple[int, list], plan: BuildPlan, layout: dict) -> int:
 
 def reuse_shard(index: int, plan: BuildPlan, layout: dict):
     """A parent's shard that takes no new documents: linked (or copied) into the new version."""
-    import os
-    import shutil
-
-    from specstore.runtime.sharded_suffix import shard_dir
-
     shard = layout["shards"][index]
     if shard["length"] != shard["base_length"]:
         return []  # rebuilt by write_shard
     source, target = shard_dir(Path(plan.base.files_dir), index), shard_dir(Path(plan.files_dir), index)
     target.mkdir(parents=True, exist_ok=True)
     for name in (STREAM_FILE, SA_FILE):
-        (target / name).unlink(missing_ok=True)  # a rerun after an interruption
-        try:
-            os.link(source / name, target / name)  # no bytes copied; gc of the parent keeps this link
-        except OSError:
-            shutil.copyfile(source / name, target / name)
+        link_or_copy(source / name, target / name)
     return [index]
 
 
