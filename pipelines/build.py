@@ -119,7 +119,10 @@ def build(
         corpus = refit_paths(parent.manifest, list(corpus))
     elif normaliser is not None:
         normaliser_from = file_sha256(Path(normaliser))
-    plan = make_plan(store, name, corpus, fmt=fmt, model=model, max_docs=max_docs, progress=progress, sa_shard_tokens=sa_shard_tokens, **settings)
+    plan = make_plan(
+        store, name, corpus, fmt=fmt, model=model, max_docs=max_docs, progress=progress,
+        progress_totals=test_pipeline is None and _single_process(runner, beam_args), sa_shard_tokens=sa_shard_tokens, **settings,
+    )
     info = load_model(model, dtype=plan.dtype).info  # fails early and cleanly; fingerprints the model as the runtime does
     if plan.pca_dims > info.hidden_size:
         raise SpecstoreError(f"pca-dims {plan.pca_dims} exceeds the model's hidden size {info.hidden_size}")
@@ -149,6 +152,17 @@ def build(
         store, plan, model_info=info, hashes=hashes, mode=mode, base_sources=base_sources,
         normaliser_from=normaliser_from, tag=tag, started=started,
     )
+
+
+def _single_process(runner: str, beam_args: list[str] | None) -> bool:
+    """Whether every step runs in this process (the DirectRunner's default in-memory mode with
+    one worker), so that one progress bar per stage sees the whole stage."""
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+
+    if runner not in ("DirectRunner", "direct"):
+        return False
+    opts = PipelineOptions(beam_args or []).view_as(DirectOptions)
+    return opts.direct_running_mode == "in_memory" and (opts.direct_num_workers or 1) <= 1
 
 
 def _unchanged(store: Store, parent, tag: str | None, started: float) -> BuildResult:

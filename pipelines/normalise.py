@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from specstore.runtime.normaliser import _EPS, Normaliser
 
@@ -29,9 +30,12 @@ class NormStats:
 
     @classmethod
     def of(cls, x: np.ndarray) -> NormStats:
-        """Statistics of rows ``x`` [N, H] (accumulated in float64)."""
-        x = np.asarray(x, dtype=np.float64)
-        return cls(int(x.shape[0]), x.sum(axis=0), x.T @ x)
+        """Statistics of rows ``x`` [N, H] (accumulated in float64).
+
+        The product runs in torch, not numpy: numpy's OpenBLAS threads keep spinning after a
+        call, and on a small CPU that slowed the next embedding forward (see blas_quiet)."""
+        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
+        return cls(int(t.shape[0]), t.sum(dim=0).numpy(), (t.T @ t).numpy())
 
     def merge(self, other: NormStats) -> NormStats:
         """Sum of two statistics (in place on self, returned for chaining)."""

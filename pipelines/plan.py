@@ -38,6 +38,7 @@ class BuildPlan:
     fit_rows_per_batch: int | None = 1024
     spill_dtype: str = "float32"
     progress: bool = True
+    progress_totals: bool = True  # bars know their stage's total (one process runs every step)
     base: BaseVersion | None = None  # append: the parent version whose rows and stream come first
     normaliser_path: str | None = None  # a normaliser to reuse instead of fitting one
     sa_shard_tokens: int | None = None  # build the suffix array in shards of at most this many tokens

@@ -69,8 +69,9 @@ def release_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def _progress(desc: str, amount: int, enabled: bool) -> None:
-    """Advance this process' progress bar ``desc`` (tqdm, created on first use)."""
+def _progress(desc: str, amount: int, enabled: bool, total: int | None = None, unit: str = "tok") -> None:
+    """Advance this process' progress bar ``desc`` (tqdm, created on first use) by ``amount``;
+    ``total`` (the stage's whole amount, from a side input) gives the bar its end and an ETA."""
     if not enabled:
         return
     from tqdm import tqdm
@@ -78,8 +79,10 @@ def _progress(desc: str, amount: int, enabled: bool) -> None:
     with _BARS_LOCK:
         bar = _BARS.get(desc)
         if bar is None:
-            bar = _BARS[desc] = tqdm(desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+            bar = _BARS[desc] = tqdm(desc=desc, total=total, unit=unit, unit_scale=True, dynamic_ncols=True)
         bar.update(amount)
+        if bar.total is not None and bar.n >= bar.total:
+            bar.close()  # the stage is done: its rate and time stay as they were at its end
 
 
 def close_progress() -> None:
@@ -124,7 +127,8 @@ class PrepareFn(beam.DoFn):
     def setup(self):
         self.tokenizer = _tokenizer(self.plan)
 
-    def process(self, record):
+    def process(self, record, total: int | None = None):
+        _progress("prepare", 1, self.plan.progress, total, unit="doc")
         fmt = self.plan.source_format(record.source_index)
         for item in prepare(record, fmt, self.tokenizer, max_doc_tokens=self.plan.max_doc_tokens, regenerate=self.plan.regenerate):
             if isinstance(item, Rejection):
@@ -144,12 +148,12 @@ class GenerateFn(beam.DoFn):
     def setup(self):
         self.loaded = _model(self.plan)
 
-    def process(self, prompts):
+    def process(self, prompts, total: int | None = None):
         tok = self.loaded.tokenizer
         eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0}
         pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
         docs = generate_responses(self.loaded.model, [p.tokens for p in prompts], max_new_tokens=self.plan.max_new_tokens, pad_id=pad, eos_ids=eos)
-        _progress("generate", sum(len(d) - len(p.tokens) for d, p in zip(docs, prompts, strict=True)), self.plan.progress)
+        _progress("generate", len(prompts), self.plan.progress, total, unit="doc")
         release_memory()
         for p, d in zip(prompts, docs, strict=True):
             yield Document(p.doc_id, d[: self.plan.max_doc_tokens])
@@ -182,14 +186,14 @@ class EmbedFn(beam.DoFn):
             yield beam.pvalue.TaggedOutput("stats", WindowedValue(self.stats, MIN_TIMESTAMP, [GlobalWindow()]))
             self.stats = None
 
-    def process(self, docs: list[Document]):
+    def process(self, docs: list[Document], total: int | None = None):
         docs = sorted(docs, key=lambda d: d.doc_id)
         hidden = embed_documents(self.loaded.model, [d.tokens for d in docs])
         staged = save_staged(
             self.plan.staging_dir, f"embed-{docs[0].doc_id}-{uuid.uuid4().hex[:8]}",
             [d.doc_id for d in docs], [d.tokens for d in docs], hidden, self.plan.spill_dtype,
         )
-        _progress("embed", staged.num_tokens, self.plan.progress)
+        _progress("embed", staged.num_tokens, self.plan.progress, total)
         stats = NormStats.of(sample_rows(np.concatenate(hidden), self.plan.fit_rows_per_batch))
         self.stats = stats if self.stats is None else self.stats.merge(stats)
         del hidden
@@ -333,6 +337,7 @@ def write_fragment(staged: StagedBatch, normaliser: Normaliser | None, layout: d
         "num_rows": table.num_rows,
         "embedding_sum": embedding_sum,
     }
+    _progress("write", table.num_rows, plan.progress, layout["num_new_tokens"] if plan.progress_totals else None)
 
 
 def write_rejected(rejections: list[Rejection], plan: BuildPlan) -> int:

@@ -38,6 +38,15 @@ def _first_n(record, counts: dict[int, int], n: int) -> bool:
     return sum(c for s, c in counts.items() if s < record.source_index) + record.record_index < n
 
 
+def _total(plan: BuildPlan, items: PCollection, label: str, size) -> object:
+    """A stage's whole amount (sum of ``size`` over ``items``) as a side input for its progress
+    bar; None (no total) when there are no bars or the steps run in several processes."""
+    if not (plan.progress and plan.progress_totals):
+        return None
+    total = items | f"Size{label}" >> beam.Map(size) | f"Total{label}" >> beam.CombineGlobally(sum)
+    return AsSingleton(total)
+
+
 class _Batch(beam.PTransform):
     """Documents (or prompts) -> lists forming padded batches, bucketed by length, spread out."""
 
@@ -75,21 +84,23 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
     prepared = (
         records
         | "SpreadRecords" >> beam.Reshuffle()
-        | "RenderTokenise" >> beam.ParDo(steps.PrepareFn(plan)).with_outputs("rejected", "prompts", main="documents")
+        | "RenderTokenise" >> beam.ParDo(steps.PrepareFn(plan), total=_total(plan, records, "Records", lambda r: 1))
+        .with_outputs("rejected", "prompts", main="documents")
     )
     documents = prepared.documents
     if plan.regenerate:
         generated = (
             prepared.prompts
             | "BatchPrompts" >> _Batch(plan.batch_tokens, plan.generate_batch)
-            | "Regenerate" >> beam.ParDo(steps.GenerateFn(plan))
+            | "Regenerate" >> beam.ParDo(steps.GenerateFn(plan), total=_total(plan, prepared.prompts, "Prompts", lambda r: 1))
         )
         documents = (documents, generated) | "AllDocuments" >> beam.Flatten()
 
     embedded = (
         documents
         | "BatchDocuments" >> _Batch(plan.batch_tokens)
-        | "Embed" >> beam.ParDo(steps.EmbedFn(plan)).with_outputs("stats", main="staged")
+        | "Embed" >> beam.ParDo(steps.EmbedFn(plan), total=_total(plan, documents, "Tokens", lambda d: len(d.tokens)))
+        .with_outputs("stats", main="staged")
     )
     if plan.normaliser_path is not None:  # append: the parent's normaliser, so old rows stay valid
         normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(steps.reuse_normaliser, plan=plan)

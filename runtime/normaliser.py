@@ -35,13 +35,17 @@ class Normaliser:
 
     def apply(self, hidden: np.ndarray) -> np.ndarray:
         """[..., H] float -> [..., D] float32, unit L2 norm (computed in float64 for stability)."""
-        h = np.asarray(hidden, dtype=np.float64)
+        h = torch.from_numpy(np.asarray(hidden, dtype=np.float64))
         if h.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden size {h.shape[-1]} does not match normaliser's {self.hidden_size}")
-        z = (h - self.mean) / np.maximum(self.std, _EPS)
-        p = (z - self.pca_mean) @ self.components.T
-        norm = np.linalg.norm(p, axis=-1, keepdims=True)
-        return (p / np.maximum(norm, _EPS)).astype(np.float32)
+        # in torch, not numpy: numpy's OpenBLAS threads spin after a product and slow whatever
+        # runs next on a small CPU (the build's next embedding forward, the runtime's next step)
+        mean, std, comps, pca_mean = (
+            torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (self.mean, np.maximum(self.std, _EPS), self.components, self.pca_mean)
+        )
+        p = ((h - mean) / std - pca_mean) @ comps.T
+        norm = torch.linalg.vector_norm(p, dim=-1, keepdim=True)
+        return (p / norm.clamp_min(_EPS)).to(torch.float32).numpy()
 
     def apply_torch(self, hidden: torch.Tensor) -> torch.Tensor:
         """Same transform on a torch tensor on any device: [..., H] -> [..., D] float32."""

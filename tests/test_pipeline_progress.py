@@ -1,0 +1,54 @@
+"""Progress bars of a build: each long stage's bar knows its total and ends exactly at it."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import tqdm
+
+from specstore.pipelines.build import _single_process, build
+from tests.helpers import make_tiny_model
+
+
+class _Recorder(tqdm.tqdm):
+    bars: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **(kwargs | {"file": io.StringIO()}))  # count, draw nowhere
+        self.counted = 0
+        _Recorder.bars.append(self)
+
+    def update(self, n=1):
+        self.counted += n
+        return super().update(n)
+
+
+def test_bars_have_totals_and_reach_them(tmp_path, monkeypatch):
+    tiny = str(make_tiny_model(tmp_path / "model"))
+    corpus = tmp_path / "q.jsonl"
+    rows = [{"turns": [f"Question number {i}, " + "and more " * i]} for i in range(7)] + [{"broken": True}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+    monkeypatch.setattr(tqdm, "tqdm", _Recorder)
+    _Recorder.bars = []
+    result = build(tmp_path / "s", "p", [str(corpus)], model=tiny, regenerate=True, max_new_tokens=5, pca_dims=4,
+                   batch_tokens=128, progress=True)
+    m = result.manifest
+    bars = {b.desc: b for b in _Recorder.bars}
+    assert set(bars) == {"prepare", "generate", "embed", "write"}
+    assert (bars["prepare"].total, bars["prepare"].counted) == (9, 9)  # every record read, rejected ones too
+    assert (bars["generate"].total, bars["generate"].counted) == (7, 7)
+    for stage in ("embed", "write"):
+        assert (bars[stage].total, bars[stage].counted) == (m.num_tokens, m.num_tokens), stage
+    assert m.num_documents == 7 and m.num_rejected == 2
+
+
+@pytest.mark.parametrize(("runner", "args", "single"), [
+    ("DirectRunner", [], True),
+    ("DirectRunner", ["--direct_running_mode=multi_processing", "--direct_num_workers=2"], False),
+    ("DirectRunner", ["--direct_num_workers=2"], False),
+    ("DataflowRunner", [], False),
+])
+def test_totals_only_where_one_process_runs_every_step(runner, args, single):
+    assert _single_process(runner, args) is single
