@@ -56,7 +56,7 @@ def _stages(args, workdir: Path) -> dict:
     from lance.fragment import write_fragments
 
     from specstore.pipelines.corpus import read_records, resolve_sources
-    from specstore.pipelines.embed import embed_documents, load_staged, plan_batches, save_staged
+    from specstore.pipelines.embed import embed_documents, load_staged, padded_width, plan_batches, save_staged
     from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
     from specstore.pipelines.render import Document, prepare
     from specstore.pipelines.rows import rows_table
@@ -77,7 +77,7 @@ def _stages(args, workdir: Path) -> dict:
 
     batches = plan_batches([len(d.tokens) for d in docs], args.batch_tokens)
     staging, staged, stats = workdir / "staging", [], NormStats.empty(loaded.info.hidden_size)
-    shapes = [(len(b), max(len(docs[i].tokens) for i in b)) for b in batches]
+    shapes = [(len(b), padded_width(max(len(docs[i].tokens) for i in b))) for b in batches]
     padded_tokens = sum(rows * width for rows, width in shapes)
     gen = torch.Generator().manual_seed(0)
 

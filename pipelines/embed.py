@@ -19,37 +19,47 @@ import torch
 from specstore.runtime.forward import hidden_states
 
 
-def plan_batches(lengths: list[int], batch_tokens: int, min_fill: float = 0.8) -> list[list[int]]:
-    """Indices grouped into batches whose padded size (count x longest) stays within
-    ``batch_tokens`` (a longer document gets a batch of its own); longest documents first.
-    A batch also closes before a document shorter than ``min_fill`` x its longest, so each row
-    is at least that full (padding under 1 - min_fill of a batch)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and ((len(current) + 1) * longest > batch_tokens or lengths[i] < min_fill * longest):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+def padded_width(length: int) -> int:
+    """The width a batch holding a document of ``length`` tokens is padded to: a multiple of 16
+    up to 64, then 8 widths per octave (72, 80, ..., 128, 144, ...), each under 12.5% above the
+    lengths it holds.
+
+    The embedding forwards only ever see these widths, and full batches of one width always have
+    the same number of rows, so a build meets a bounded set of tensor shapes however large its
+    corpus. That bounds memory: torch keeps kernels and buffers for every shape it has run (the
+    same forward over 130 distinct batch shapes grew resident memory by 400 MB, over 44 by 69 MB;
+    BENCHMARKS.md)."""
+    if length <= 64:
+        return max(16, -(-length // 16) * 16)
+    step = 1 << ((length - 1).bit_length() - 4)  # 2^floor(log2(length - 1)) / 8
+    return -(-length // step) * step
+
+
+def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of one padded width each (longest widths first, longest
+    documents first within a width): ``max(1, batch_tokens // width)`` documents per batch, so
+    every batch of a width but its last has the same shape and stays within ``batch_tokens``
+    (a document longer than that gets a batch of its own)."""
+    by_width: dict[int, list[int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        by_width.setdefault(padded_width(lengths[i]), []).append(i)
+    batches = []
+    for width in sorted(by_width, reverse=True):
+        members, rows = by_width[width], max(1, batch_tokens // width)
+        batches += [members[start : start + rows] for start in range(0, len(members), rows)]
     return batches
 
 
 def length_bucket(length: int) -> int:
-    """Coarse length class (powers of 2 with two steps per octave): documents of one bucket
-    are batched together, so padding stays under ~40% of a batch."""
-    if length <= 16:
-        return 0
-    octave = int(np.log2(length))
-    return 2 * octave + (1 if length >= 1.5 * 2**octave else 0)
+    """The grouping key of a document for batching: its padded width (documents batched together
+    share it)."""
+    return padded_width(length)
 
 
-def padded(docs: list[np.ndarray], pad_id: int, *, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [B, T], attention_mask [B, T])`` with padding on the right (or the left)."""
-    width = max(len(d) for d in docs)
+def padded(docs: list[np.ndarray], pad_id: int, *, left: bool = False, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, T], attention_mask [B, T])`` with padding on the right (or the left);
+    T is ``width`` if given (at least the longest document), else the longest document."""
+    width = max([len(d) for d in docs] + [width or 0])
     ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(docs), width), dtype=torch.long)
     for row, d in enumerate(docs):
@@ -69,7 +79,7 @@ def embed_documents(model, docs: list[np.ndarray]) -> list[np.ndarray]:
     are computed and dropped.
     """
     device = next(model.parameters()).device
-    ids, _ = padded(docs, 0)
+    ids, _ = padded(docs, 0, width=padded_width(max(len(d) for d in docs)))
     hidden = hidden_states(model, ids.to(device)).cpu().numpy()
     return [hidden[row, : len(d)] for row, d in enumerate(docs)]
 

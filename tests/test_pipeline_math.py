@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from sklearn.decomposition import PCA
 
-from specstore.pipelines.embed import length_bucket, plan_batches
+from specstore.pipelines.embed import length_bucket, padded_width, plan_batches
 from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
 from specstore.pipelines.rows import continuations, rows_table
 from specstore.schemas.tables import PAD_TOKEN, tokens_schema
@@ -90,18 +90,34 @@ def test_rows_table_offsets_and_schema():
         rows_table([7], docs[:1], [0], emb, 2)
 
 
-def test_plan_batches_respects_padded_budget():
-    lengths = [5, 100, 7, 60, 6, 300, 8]
-    batches = plan_batches(lengths, 120)
+def test_padded_widths_are_few_and_tight():
+    widths = [padded_width(n) for n in range(1, 2049)]
+    assert all(w >= n for n, w in enumerate(widths, start=1))
+    assert all(w <= n + 15 if n <= 64 else w < 1.125 * n for n, w in enumerate(widths, start=1))
+    assert widths == sorted(widths)  # never shorter for a longer document
+    assert sorted(set(widths))[:7] == [16, 32, 48, 64, 72, 80, 88] and len(set(widths)) == 44
+    assert padded_width(128) == 128 and padded_width(129) == 144 and padded_width(2048) == 2048
+    assert length_bucket(3) == length_bucket(16) != length_bucket(17)
+
+
+def test_plan_batches_one_width_per_batch_and_full_batches():
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(1, 700, size=300)] + [5000]
+    budget = 1024
+    batches = plan_batches(lengths, budget)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert batches[0] == [300]  # the longest first, alone past the budget
+    by_width: dict[int, list[list[int]]] = {}
     for b in batches:
-        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 120
-    assert batches[0] == [5]  # the longest first, alone past the budget
-    # every row of a batch is at least min_fill full
-    lengths = [100, 95, 90, 79, 70, 64, 10, 9, 8]
-    batches = plan_batches(lengths, 10_000, min_fill=0.8)
-    assert batches == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    for b in batches:
-        assert min(lengths[i] for i in b) >= 0.8 * max(lengths[i] for i in b)
-    assert plan_batches(lengths, 10_000, min_fill=0.0) == [list(range(9))]
-    assert length_bucket(10) == 0 and length_bucket(1000) > length_bucket(600) >= length_bucket(513)
+        widths = {padded_width(lengths[i]) for i in b}
+        assert len(widths) == 1  # one padded shape per batch
+        width = widths.pop()
+        assert len(b) == 1 or len(b) * width <= budget
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+        by_width.setdefault(width, []).append(b)
+    for width, group in by_width.items():  # every batch of a width but its last is full
+        assert all(len(b) == max(1, budget // width) for b in group[:-1])
+        assert 0 < len(group[-1]) <= max(1, budget // width)
+    # so the shapes a build meets are bounded: at most two per width
+    shapes = {(len(b), padded_width(max(lengths[i] for i in b))) for b in batches}
+    assert len(shapes) <= 2 * len(by_width)
