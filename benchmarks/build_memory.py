@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import threading
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "num_tokens": result.manifest.num_tokens, "num_documents": result.manifest.num_documents,
         "seconds": round(seconds, 1), "rss_peak_mib": round(max(s[1] for s in samples), 1),
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # the kernel's peak, between samples too
         "rss_before_mib": round(samples[0][1], 1), "stages": stages,
     }
     print(json.dumps(summary, indent=1))
