@@ -7,8 +7,8 @@ Run: ``python -m specstore.pipelines.bench_build --corpus ../shared/data/codealp
 - each stage alone in this process on the same records: read+render+tokenise, embedding
   (length-bucketed batches, forward, spill to staging, normaliser statistics), normaliser fit,
   fragment writing (apply + rows + Lance fragment), and stream + suffix array;
-- the model's raw batched forward on unpadded random ids of the same batch shape, as the limit
-  the embedding stage is compared with;
+- the model's raw batched forward on random ids of the same batch shapes, as the limit the
+  embedding stage is compared with (timed batch by batch, alternating with the embedding step);
 - suffix-array construction for ``--sa-tokens`` random tokens.
 
 Prints one JSON object (and writes it to ``--out`` if given). Owns no library code.
@@ -56,7 +56,13 @@ def _stages(args, workdir: Path) -> dict:
     from lance.fragment import write_fragments
 
     from specstore.pipelines.corpus import read_records, resolve_sources
-    from specstore.pipelines.embed import embed_documents, load_staged, padded_width, plan_batches, save_staged
+    from specstore.pipelines.embed import (
+        embed_documents,
+        load_staged,
+        padded_width,
+        plan_batches,
+        save_staged,
+    )
     from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
     from specstore.pipelines.render import Document, prepare
     from specstore.pipelines.rows import rows_table

@@ -1,8 +1,8 @@
 """Batched model work of the build: length-bucketed batches, embedding forwards, generation,
 and the staging files that carry raw hidden states from the embed stage to the writers.
 
-Owns: packing documents into padded batches of at most ``batch_tokens`` (sorted by length to
-cut padding), the embedding forward (through runtime/forward.py, the same code the runtime's
+Owns: packing documents into padded batches of at most ``batch_tokens`` (widths from a fixed
+grid, so padding stays small and the set of batch shapes bounded), the embedding forward (through runtime/forward.py, the same code the runtime's
 live queries use), batched greedy generation with left padding for ``--regenerate``, and the
 staging file format. Pure functions over a loaded model; Beam adapts them in transforms.py.
 """
