@@ -89,7 +89,8 @@ def build(
     it with ``unchanged=True`` (``tag``, if given, is then set on it). ``normaliser``: a
     normaliser.npz to reuse instead of fitting one.
     """
-    from specstore.runtime.models import load_model
+    from specstore.pipelines.steps import shared_model
+    from specstore.runtime.models import load_model, model_id_of
 
     started = time.monotonic()
     store = store if isinstance(store, Store) else Store(store, create=True)
@@ -123,7 +124,14 @@ def build(
         store, name, corpus, fmt=fmt, model=model, max_docs=max_docs, progress=progress,
         progress_totals=test_pipeline is None and _single_process(runner, beam_args), sa_shard_tokens=sa_shard_tokens, **settings,
     )
-    info = load_model(model, dtype=plan.dtype).info  # fails early and cleanly; fingerprints the model as the runtime does
+    # load the model here: it fails early and cleanly, and fingerprints the model as the runtime
+    # does. Where the workers run in this process they reuse this very model (held until the
+    # pipeline ends) instead of loading a second copy
+    in_process = test_pipeline is not None or plan.progress_totals
+    held = shared_model(plan) if in_process else load_model(model, dtype=plan.dtype)
+    info = held.info.model_copy(update={"model_id": model_id_of(model, held.path)})
+    if not in_process:
+        held = None  # workers in other processes load their own
     if plan.pca_dims > info.hidden_size:
         raise SpecstoreError(f"pca-dims {plan.pca_dims} exceeds the model's hidden size {info.hidden_size}")
     hashes = [source_sha256(s) for s in plan.sources]
@@ -148,6 +156,7 @@ def build(
         if parent is not None and not force and fingerprint(parent.manifest) == wanted:
             return _unchanged(store, parent, tag, started)
     run_pipeline(plan, runner=runner, beam_args=beam_args, test_pipeline=test_pipeline)
+    del held  # the workers are done with it
     return finalise(
         store, plan, model_info=info, hashes=hashes, mode=mode, base_sources=base_sources,
         normaliser_from=normaliser_from, tag=tag, started=started,

@@ -40,7 +40,11 @@ from specstore.runtime.suffix_array import (
 )
 from specstore.schemas.tables import tokens_schema
 
-_SHARED = shared.Shared()  # one handle per process: models are loaded once per worker
+# one handle per kind of resource and process: a handle holds one object, and acquiring it with
+# another tag replaces that object (so a tokenizer and a model sharing one handle took turns
+# evicting each other, and the model was loaded again)
+_SHARED_TOKENIZER = shared.Shared()
+_SHARED_MODEL = shared.Shared()
 _BARS: dict[str, object] = {}
 _BARS_LOCK = threading.Lock()
 
@@ -106,7 +110,12 @@ def _tokenizer(plan: BuildPlan):
 
         return _Holder(AutoTokenizer.from_pretrained(plan.model_path))
 
-    return _SHARED.acquire(load, tag=("tokenizer", plan.model_path)).value
+    return _SHARED_TOKENIZER.acquire(load, tag=("tokenizer", plan.model_path)).value
+
+
+def shared_model(plan: BuildPlan):
+    """The model the build's workers in this process use (loaded on first use, then shared)."""
+    return _model(plan)
 
 
 def _model(plan: BuildPlan):
@@ -115,7 +124,7 @@ def _model(plan: BuildPlan):
 
         return load_model(plan.model_path, dtype=plan.dtype)
 
-    return _SHARED.acquire(load, tag=("model", plan.model_path, plan.dtype))
+    return _SHARED_MODEL.acquire(load, tag=("model", plan.model_path, plan.dtype))
 
 
 class PrepareFn(beam.DoFn):

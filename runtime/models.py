@@ -168,8 +168,12 @@ def load_model(model: str | None = None, *, dtype: str | torch.dtype | None = No
     torch_dtype = resolve_dtype(dtype)
     tok = AutoTokenizer.from_pretrained(str(path))
     lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(dev).eval()
-    model_id = DEFAULT_MODEL if model in (None, DEFAULT_MODEL) else str(path)
-    return LoadedModel(lm, tok, model_info(lm, tok, model_id, path), path)
+    return LoadedModel(lm, tok, model_info(lm, tok, model_id_of(model, path), path), path)
+
+
+def model_id_of(model: str | None, path: Path) -> str:
+    """The id a manifest records for ``--model`` ``model`` (resolved to ``path``)."""
+    return DEFAULT_MODEL if model in (None, DEFAULT_MODEL) else str(path)
 
 
 def model_info(model, tokenizer, model_id: str, path: Path | None = None) -> ModelInfo:

@@ -52,3 +52,21 @@ def test_bars_have_totals_and_reach_them(tmp_path, monkeypatch):
 ])
 def test_totals_only_where_one_process_runs_every_step(runner, args, single):
     assert _single_process(runner, args) is single
+
+
+def test_in_process_build_loads_the_model_once(tmp_path, monkeypatch):
+    """The driver's model (loaded to check and fingerprint it) is the one the in-process workers
+    use: one load per build, not two."""
+    from specstore.runtime import models
+
+    tiny = str(make_tiny_model(tmp_path / "model"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * (i + 2)}) + "\n" for i in range(6)))
+    loads = []
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    first = build(tmp_path / "s", "once", [str(corpus)], model=tiny, pca_dims=4, progress=False)
+    assert len(loads) == 1 and first.manifest.num_documents == 6
+    # the fingerprint is the one a separate load gives: an unchanged rebuild is recognised
+    assert first.manifest.model == real(tiny, dtype="float32").info
+    assert build(tmp_path / "s", "once", [str(corpus)], model=tiny, pca_dims=4, progress=False).unchanged
