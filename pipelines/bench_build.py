@@ -5,7 +5,7 @@ Run: ``python -m specstore.pipelines.bench_build --corpus ../shared/data/codealp
 
 - the whole build end to end (``specstore build`` in a subprocess: wall time, tokens/s, peak RSS);
 - each stage alone in this process on the same records: read+render+tokenise, embedding
-  (length-bucketed batches, forward, spill to staging, normaliser statistics), normaliser fit,
+  (batches by padded width, forward, spill to staging, normaliser statistics), normaliser fit,
   fragment writing (apply + rows + Lance fragment), and stream + suffix array;
 - the model's raw batched forward on random ids of the same batch shapes, as the limit the
   embedding stage is compared with (timed batch by batch, alternating with the embedding step);

@@ -120,14 +120,14 @@ def build(
         corpus = refit_paths(parent.manifest, list(corpus))
     elif normaliser is not None:
         normaliser_from = file_sha256(Path(normaliser))
+    in_process = test_pipeline is not None or _single_process(runner, beam_args)
     plan = make_plan(
         store, name, corpus, fmt=fmt, model=model, max_docs=max_docs, progress=progress,
-        progress_totals=test_pipeline is None and _single_process(runner, beam_args), sa_shard_tokens=sa_shard_tokens, **settings,
+        progress_totals=in_process, sa_shard_tokens=sa_shard_tokens, **settings,
     )
     # load the model here: it fails early and cleanly, and fingerprints the model as the runtime
     # does. Where the workers run in this process they reuse this very model (held until the
     # pipeline ends) instead of loading a second copy
-    in_process = test_pipeline is not None or plan.progress_totals
     held = shared_model(plan) if in_process else load_model(model, dtype=plan.dtype)
     info = held.info.model_copy(update={"model_id": model_id_of(model, held.path)})
     if not in_process:

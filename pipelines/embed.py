@@ -50,12 +50,6 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def length_bucket(length: int) -> int:
-    """The grouping key of a document for batching: its padded width (documents batched together
-    share it)."""
-    return padded_width(length)
-
-
 def padded(docs: list[np.ndarray], pad_id: int, *, left: bool = False, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids [B, T], attention_mask [B, T])`` with padding on the right (or the left);
     T is ``width`` if given (at least the longest document), else the longest document."""

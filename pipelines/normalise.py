@@ -33,7 +33,7 @@ class NormStats:
         """Statistics of rows ``x`` [N, H] (accumulated in float64).
 
         The product runs in torch, not numpy: numpy's OpenBLAS threads keep spinning after a
-        call, and on a small CPU that slowed the next embedding forward (see blas_quiet)."""
+        call, and on a small CPU that slows the next embedding forward."""
         t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
         return cls(int(t.shape[0]), t.sum(dim=0).numpy(), (t.T @ t).numpy())
 

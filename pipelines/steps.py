@@ -115,10 +115,6 @@ def _tokenizer(plan: BuildPlan):
 
 def shared_model(plan: BuildPlan):
     """The model the build's workers in this process use (loaded on first use, then shared)."""
-    return _model(plan)
-
-
-def _model(plan: BuildPlan):
     def load():
         from specstore.runtime.models import load_model
 
@@ -155,7 +151,7 @@ class GenerateFn(beam.DoFn):
         self.plan = plan
 
     def setup(self):
-        self.loaded = _model(self.plan)
+        self.loaded = shared_model(self.plan)
 
     def process(self, prompts, total: int | None = None):
         tok = self.loaded.tokenizer
@@ -181,7 +177,7 @@ class EmbedFn(beam.DoFn):
         self.plan = plan
 
     def setup(self):
-        self.loaded = _model(self.plan)
+        self.loaded = shared_model(self.plan)
 
     def start_bundle(self):
         self.stats = None
@@ -340,13 +336,13 @@ def write_fragment(staged: StagedBatch, normaliser: Normaliser | None, layout: d
     embedding_sum = embeddings.astype(np.float64).sum(axis=0).tolist()
     del hidden, embeddings
     release_memory()
+    _progress("write", table.num_rows, plan.progress, layout["num_new_tokens"] if plan.progress_totals else None)
     yield {
         "first_offset": int(min(layout["starts"][d] for d in doc_ids)),
         "fragments": [json.dumps(f.to_json()) for f in fragments],
         "num_rows": table.num_rows,
         "embedding_sum": embedding_sum,
     }
-    _progress("write", table.num_rows, plan.progress, layout["num_new_tokens"] if plan.progress_totals else None)
 
 
 def write_rejected(rejections: list[Rejection], plan: BuildPlan) -> int:

@@ -17,7 +17,7 @@ from apache_beam.pvalue import AsDict, AsList, AsSingleton, PCollection
 
 from specstore.pipelines import steps
 from specstore.pipelines.corpus import read_records
-from specstore.pipelines.embed import length_bucket, plan_batches
+from specstore.pipelines.embed import padded_width, plan_batches
 from specstore.pipelines.plan import BuildPlan
 
 
@@ -48,7 +48,7 @@ def _total(plan: BuildPlan, items: PCollection, label: str, size) -> object:
 
 
 class _Batch(beam.PTransform):
-    """Documents (or prompts) -> lists forming padded batches, bucketed by length, spread out."""
+    """Documents (or prompts) -> lists forming padded batches, grouped by padded width, spread out."""
 
     def __init__(self, tokens_per_batch: int, max_items: int | None = None):
         super().__init__()
@@ -65,8 +65,8 @@ class _Batch(beam.PTransform):
 
         return (
             items
-            | "ByLength" >> beam.Map(lambda d: (length_bucket(len(d.tokens)), d))
-            | "GroupByLength" >> beam.GroupByKey()
+            | "ByWidth" >> beam.Map(lambda d: (padded_width(len(d.tokens)), d))
+            | "GroupByWidth" >> beam.GroupByKey()
             | "CutBatches" >> beam.FlatMap(cut)
             | "Spread" >> beam.Reshuffle()
         )

@@ -35,30 +35,29 @@ class Normaliser:
 
     def apply(self, hidden: np.ndarray) -> np.ndarray:
         """[..., H] float -> [..., D] float32, unit L2 norm (computed in float64 for stability)."""
-        h = torch.from_numpy(np.asarray(hidden, dtype=np.float64))
+        h = np.asarray(hidden, dtype=np.float64)
         if h.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden size {h.shape[-1]} does not match normaliser's {self.hidden_size}")
         # in torch, not numpy: numpy's OpenBLAS threads spin after a product and slow whatever
         # runs next on a small CPU (the build's next embedding forward, the runtime's next step)
-        mean, std, comps, pca_mean = (
-            torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (self.mean, np.maximum(self.std, _EPS), self.components, self.pca_mean)
-        )
-        p = ((h - mean) / std - pca_mean) @ comps.T
-        norm = torch.linalg.vector_norm(p, dim=-1, keepdim=True)
-        return (p / norm.clamp_min(_EPS)).to(torch.float32).numpy()
+        return self._transform(torch.from_numpy(h)).to(torch.float32).numpy()
 
     def apply_torch(self, hidden: torch.Tensor) -> torch.Tensor:
         """Same transform on a torch tensor on any device: [..., H] -> [..., D] float32."""
-        dev = hidden.device
-        t = self._tensors.get(dev)
-        if t is None:
-            t = tuple(
-                torch.as_tensor(a, dtype=torch.float32, device=dev)
+        return self._transform(hidden.float())
+
+    def _transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        """z-score, PCA projection and L2 norm in ``hidden``'s dtype and on its device (the
+        parameters are converted once per device and dtype)."""
+        key = (hidden.device, hidden.dtype)
+        params = self._tensors.get(key)
+        if params is None:
+            params = self._tensors[key] = tuple(
+                torch.as_tensor(a, dtype=hidden.dtype, device=hidden.device)
                 for a in (self.mean, np.maximum(self.std, _EPS), self.components, self.pca_mean)
             )
-            self._tensors[dev] = t
-        mean, std, comps, pca_mean = t
-        p = ((hidden.float() - mean) / std - pca_mean) @ comps.T
+        mean, std, comps, pca_mean = params
+        p = ((hidden - mean) / std - pca_mean) @ comps.T
         return p / p.norm(dim=-1, keepdim=True).clamp_min(_EPS)
 
     def __post_init__(self) -> None:

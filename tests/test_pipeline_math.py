@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from sklearn.decomposition import PCA
 
-from specstore.pipelines.embed import length_bucket, padded_width, plan_batches
+from specstore.pipelines.embed import padded_width, plan_batches
 from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
 from specstore.pipelines.rows import continuations, rows_table
 from specstore.schemas.tables import PAD_TOKEN, tokens_schema
@@ -97,7 +97,7 @@ def test_padded_widths_are_few_and_tight():
     assert widths == sorted(widths)  # never shorter for a longer document
     assert sorted(set(widths))[:7] == [16, 32, 48, 64, 72, 80, 88] and len(set(widths)) == 44
     assert padded_width(128) == 128 and padded_width(129) == 144 and padded_width(2048) == 2048
-    assert length_bucket(3) == length_bucket(16) != length_bucket(17)
+    assert padded_width(3) == padded_width(16) != padded_width(17)
 
 
 def test_plan_batches_one_width_per_batch_and_full_batches():
