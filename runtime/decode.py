@@ -1,8 +1,10 @@
 """The decode loop: prefill, then propose -> verify -> commit -> observe until a stop.
 
 Owns the stop rules (EOS, also inside an accepted draft; ``max_new_tokens``; the model's
-context), the draft budget handed to drafters, and the step statistics. Works on token ids
-only: prompts, chat templates and text belong to api.py.
+context), the draft budget handed to drafters, passing a drafter's own acceptance rule to the
+verifier, and the step statistics. Drives any ``Verifier``: the target's TreeVerifier, or the
+simulator's replay of a stored reference (bench/simulate.py). Works on token ids only: prompts,
+chat templates and text belong to api.py.
 
 Stops exactly where plain decoding stops: accepted draft tokens after an EOS or beyond the
 limit are cut before they are committed. A prompt must leave room for one new token
@@ -15,11 +17,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.sampling import Sampling
-from specstore.runtime.tree import DraftTree
-from specstore.runtime.verify import TreeVerifier, clip_depth
+from specstore.runtime.tree import clip_depth
+from specstore.runtime.verify import TreeVerifier
 
 
 @dataclass(slots=True)
@@ -35,6 +39,11 @@ class DecodeStats:
     num_relaxed: int = 0  # accepted by a lossy relaxed rule (ReSpec --relaxed on), counted in num_accepted too
     drafting_s: float = 0.0
     verifying_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens committed (the prefill's included)."""
+        return sum(self.accepted_per_step)
 
     @property
     def mat(self) -> float:
@@ -71,59 +80,78 @@ def _cut(new: list[int], room: int, eos_ids: frozenset[int]) -> tuple[list[int],
 
 
 def decode(
-    model,
+    target,
     prompt_ids: list[int],
     drafter: Drafter,
     max_new_tokens: int,
     sampling: Sampling | None = None,
     eos_ids: Iterable[int] = (),
     on_commit: Callable[[list[int]], None] | None = None,
+    *,
+    context: int | None = None,
 ) -> Decoded:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; ``on_commit`` sees each batch of
-    newly committed ids."""
-    prompt_ids, eos, ctx = [int(t) for t in prompt_ids], frozenset(int(e) for e in eos_ids), context_limit(model)
-    _check(prompt_ids, max_new_tokens, ctx)
+    newly committed ids.
+
+    ``target``: a causal LM (a TreeVerifier with ``sampling`` is built over it; ``context``
+    defaults to its ``max_position_embeddings``) or a ready ``Verifier`` (``sampling`` is then
+    its business; ``context`` None means no limit beyond ``max_new_tokens``)."""
+    if isinstance(target, torch.nn.Module):
+        verifier, context = TreeVerifier(target, sampling), context if context is not None else context_limit(target)
+    else:
+        verifier = target
+    prompt_ids, eos = [int(t) for t in prompt_ids], frozenset(int(e) for e in eos_ids)
+    _check(prompt_ids, max_new_tokens, context)
     stats = DecodeStats()
     if max_new_tokens == 0:
         return Decoded([], stats, "length")
-    ctx = ctx if ctx is not None else len(prompt_ids) + max_new_tokens
-    verifier, tree = TreeVerifier(model, sampling), DraftTree.empty()
+    limit = len(prompt_ids) + max_new_tokens if context is None else min(context, len(prompt_ids) + max_new_tokens)
     state = DecodeState(tokens=list(prompt_ids), num_prompt=len(prompt_ids))
     drafter.reset(list(prompt_ids))
+    acceptance = getattr(drafter, "acceptance", None)  # a drafter's own rule; None = sampling's
 
-    clock = time.perf_counter()
-    out = verifier.prefill(prompt_ids)
-    stats.verifying_s += time.perf_counter() - clock
-    while True:  # commit what the last forward produced, then draft and verify the next step
-        room = min(max_new_tokens - len(state.generated), ctx - len(state.tokens))
-        new, hit_eos = _cut([*out.result.accepted_tokens, out.result.bonus], room, eos)
+    def commit(proposed: list[int], hidden, logits) -> str | None:
+        """Append what a forward produced (cut at EOS and the limits); the stop reason, if any."""
+        new, hit_eos = _cut(proposed, limit - len(state.tokens), eos)
         state.tokens.extend(new)
-        state.last_hidden, state.last_logits = out.hidden, out.logits
+        state.last_hidden, state.last_logits = hidden, logits
         stats.steps += 1
         stats.accepted_per_step.append(len(new))
-        stats.num_drafted += out.result.num_drafted
-        stats.num_accepted += min(len(out.result.accepted_tokens), len(new))
-        stats.num_relaxed += sum(out.result.relaxed[: len(new)])
         if on_commit is not None and new:
             on_commit(new)
-        clock = time.perf_counter()
-        if stats.steps > 1:
-            drafter.observe(state, tree, out.result)
-        stop = "eos" if hit_eos else "length" if len(state.generated) >= max_new_tokens else None
-        if stop is None and len(state.tokens) >= ctx:
-            stop = "context"
-        if stop is not None:
-            stats.drafting_s += time.perf_counter() - clock
-            return Decoded(state.generated, stats, stop)
-        # draft tokens along one path, leaving room for the bonus, within both limits
-        state.budget = min(max_new_tokens - len(state.generated), ctx - len(state.tokens)) - 1
-        state.step = stats.steps
-        tree = clip_depth(drafter.propose(state), state.budget)
-        stats.drafting_s += time.perf_counter() - clock
+        if hit_eos:
+            return "eos"
+        if len(state.tokens) < limit:
+            return None
+        return "length" if len(state.tokens) - len(prompt_ids) >= max_new_tokens else "context"
 
+    clock = time.perf_counter()
+    first = verifier.prefill(prompt_ids)
+    stats.verifying_s += time.perf_counter() - clock
+    stop = commit([first.bonus], first.hidden, first.logits)
+    while stop is None:
+        # propose: draft tokens along one path, leaving room for the bonus, within both limits
         clock = time.perf_counter()
-        out = verifier.step(state.tokens[-1], tree)
-        stats.verifying_s += time.perf_counter() - clock
+        state.budget, state.step = limit - len(state.tokens) - 1, stats.steps
+        tree = clip_depth(drafter.propose(state), state.budget)
+        drafted = time.perf_counter()
+        # verify
+        out = verifier.step(state.tokens[-1], tree, acceptance)
+        verified = time.perf_counter()
+        # commit
+        result = out.result
+        stop = commit([*result.accepted_tokens, result.bonus], out.hidden, out.logits)
+        kept = stats.accepted_per_step[-1]
+        stats.num_drafted += result.num_drafted
+        stats.num_accepted += min(len(result.accepted_tokens), kept)
+        if result.relaxed:
+            stats.num_relaxed += sum(result.relaxed[:kept])
+        # observe
+        observed = time.perf_counter()
+        drafter.observe(state, tree, result)
+        stats.drafting_s += drafted - clock + time.perf_counter() - observed
+        stats.verifying_s += verified - drafted
+    return Decoded(state.tokens[len(prompt_ids) :], stats, stop)
 
 
 def _check(prompt_ids: list[int], max_new_tokens: int, ctx: int | None) -> None:

@@ -1,13 +1,13 @@
 """Source-aware acceptance: ReSpec's relaxed rule for retrieved drafts, strict for the rest.
 
-Owns one acceptance policy the verifier calls through the optional hook
-``tree.meta["acceptance"]`` (verify.py): ``policy(logits, tree, sampling) -> (accepted nodes,
-bonus, relaxed flags)``. It does not own forward passes or the cache, and it never changes the
-lossless paths: under sampling, or for a node that no retrieved candidate produced, it accepts
-exactly as ``sampling.accept`` does.
+Owns one acceptance rule (verify.AcceptanceRule): ``rule(logits, tree, sampling) -> (accepted
+nodes, bonus, relaxed flags)``. ReSpec exposes it as its drafter's ``acceptance`` and the
+decode loop hands it to the verifier's ``step``. It does not own forward passes or the cache,
+and it never changes the lossless paths: under sampling, or for a node that no retrieved
+candidate produced, it accepts exactly as ``sampling.accept`` does.
 
 The rule (greedy only). At each row, a child equal to the target's argmax is accepted strictly.
-Otherwise a *retrieved* child ``c`` (``tree.meta["retrieved"][c]`` True) may be accepted
+Otherwise a *retrieved* child ``c`` (``tree.node_data["retrieved"][c]`` True) may be accepted
 relaxed when all hold:
 
 - ``c``'s token is among the target's ``top_k`` tokens at that row;
@@ -52,12 +52,12 @@ class RelaxedRule:
         return float(row_logits[token].float() - top.values[0]) >= float(torch.log(torch.tensor(self.ratio)))
 
     def __call__(self, logits: torch.Tensor, tree: DraftTree, sampling: Sampling) -> tuple[list[int], int, list[bool]]:
-        """The verifier's acceptance hook: ``logits`` [1 + n, V] (row 0 = pending token)."""
+        """Accept over ``tree`` from ``logits`` [1 + n, V] (row 0 = pending token)."""
         if not sampling.greedy:
             accepted, bonus = accept(logits, tree, sampling)
             return accepted, bonus, [False] * len(accepted)
-        retrieved = tree.meta.get("retrieved")
-        retrieved = [False] * len(tree) if retrieved is None else [bool(r) for r in retrieved]
+        retrieved = tree.node_data.get("retrieved")
+        retrieved = [False] * len(tree) if retrieved is None else retrieved.tolist()
         return accept_relaxed(logits, tree, self, retrieved)
 
 

@@ -5,6 +5,18 @@ logits the target has not computed yet; it is the implicit root). ``parents[i]``
 of node i's parent, ``-1`` for a child of the root, and always ``< i`` (topological order).
 A linear draft is a chain; several drafts are merged into a trie with the shared root.
 Drafters never build attention masks or position ids: the verifier derives them from this.
+
+Besides tokens and parents a tree carries what its drafter needs back in ``observe``, in three
+typed places that every subset (``subset``, ``clip_depth``) keeps consistent:
+
+- ``node_data``: per-node arrays (``[n]`` each, e.g. REST's ``counts``, ReSpec's ``retrieved``);
+  a subset keeps the rows of the nodes it keeps;
+- ``paths``: for a trie made by ``from_paths``, the node indices of each input path, in input
+  order; a subset keeps every path (so per-path values stay aligned) but drops removed nodes;
+- ``meta``: per-tree values (a match length, per-path keys aligned with ``paths``), copied as is.
+
+The verifier reads tokens and parents only; the acceptance rule it is given may read
+``node_data`` (ReSpec's relaxed rule reads ``retrieved``).
 """
 
 from __future__ import annotations
@@ -19,19 +31,25 @@ import numpy as np
 class DraftTree:
     tokens: np.ndarray  # int64 [n]
     parents: np.ndarray  # int64 [n], -1 = child of the root
-    # free-form per-node bookkeeping a drafter may attach (e.g. which candidate made a node);
-    # the verifier ignores it and hands it back through observe()
-    meta: dict = field(default_factory=dict)
+    node_data: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [n]
+    paths: list[list[int]] = field(default_factory=list)  # node indices of each input path
+    meta: dict = field(default_factory=dict)  # per-tree values
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
         self.parents = np.asarray(self.parents, dtype=np.int64).reshape(-1)
-        if self.tokens.shape != self.parents.shape:
+        n = self.tokens.shape[0]
+        if self.parents.shape[0] != n:
             raise ValueError("tokens and parents must have the same length")
-        if len(self.parents) and np.any(self.parents >= np.arange(len(self.parents))):
+        if n and np.any(self.parents >= np.arange(n)):
             raise ValueError("every parent index must be smaller than its node's index")
-        if len(self.parents) and np.any(self.parents < -1):
+        if n and np.any(self.parents < -1):
             raise ValueError("parent indices must be >= -1")
+        for name, values in self.node_data.items():
+            if not isinstance(values, np.ndarray):
+                self.node_data[name] = values = np.asarray(values)
+            if values.shape[:1] != (n,):
+                raise ValueError(f"node_data[{name!r}] has {len(values)} entries for {n} nodes")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -48,7 +66,8 @@ class DraftTree:
     @classmethod
     def from_paths(cls, paths: Iterable[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
         """Merge drafts into a trie (shared prefixes once), in the order given; stop adding nodes
-        at ``max_nodes``. ``meta['path_nodes'][k]`` lists the node indices of path k."""
+        at ``max_nodes``. ``paths[k]`` lists the node indices of input path k (cut where the cap
+        stopped it; empty when none of it fit)."""
         tokens: list[int] = []
         parents: list[int] = []
         children: dict[tuple[int, int], int] = {}
@@ -68,7 +87,7 @@ class DraftTree:
                 nodes.append(node)
                 parent = node
             path_nodes.append(nodes)
-        return cls(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64), {"path_nodes": path_nodes})
+        return cls(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64), paths=path_nodes)
 
     def depths(self) -> np.ndarray:
         """Depth of each node: 1 for children of the root."""
@@ -84,3 +103,30 @@ class DraftTree:
             path.append(node)
             node = int(self.parents[node])
         return path[::-1]
+
+    def subset(self, keep: np.ndarray) -> DraftTree:
+        """The nodes where ``keep`` (bool [n]) is True, re-indexed with every per-node field.
+        ``keep`` must hold each kept node's parent too (a tree, not a forest)."""
+        keep = np.asarray(keep, dtype=bool)
+        kept_parents = self.parents[keep]
+        if np.any(kept_parents >= 0) and not keep[kept_parents[kept_parents >= 0]].all():
+            raise ValueError("a subset must keep the parent of every node it keeps")
+        new_index = np.cumsum(keep) - 1
+        parents = np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)])
+        return DraftTree(
+            self.tokens[keep],
+            parents,
+            {name: values[keep] for name, values in self.node_data.items()},
+            [[int(new_index[i]) for i in path if keep[i]] for path in self.paths],
+            dict(self.meta),
+        )
+
+
+def clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The subtree of nodes at depth <= ``max_depth`` (``tree`` itself when nothing is deeper)."""
+    if len(tree) == 0:
+        return tree
+    keep = tree.depths() <= max_depth
+    if keep.all():
+        return tree
+    return tree.subset(keep)

@@ -3,8 +3,14 @@ and the KV cache kept equal to plain decoding of the committed tokens.
 
 Owns the target's KV cache for one request, the tree attention inputs (a 4D additive float
 mask and explicit position ids, through the public transformers API), cache compaction to the
-accepted path, and the batch fallback for models that cannot take a custom 4D mask. Acceptance
-rules live in sampling.py; the decode loop in decode.py.
+accepted path, the batch fallback for models that cannot take a custom 4D mask, and the types
+a verification returns (``Prefill``, ``VerifyResult``, ``StepOutput``) and the ``Verifier``
+interface the decode loop drives (the simulator's replay verifier implements it too).
+Acceptance rules live in sampling.py (and relaxed.py); the decode loop in decode.py.
+
+Acceptance is an argument of ``step``: ``None`` is the sampling rule (greedy or lossless
+speculative sampling); a drafter with its own rule (ReSpec's relaxed mode) exposes it as its
+``acceptance`` attribute and the decode loop passes it in.
 
 Invariant: the cache holds every committed token except the last one (the *pending* token).
 """
@@ -13,16 +19,44 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-from specstore.runtime.drafters.base import VerifyResult
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.sampling import Sampling, accept, pick
 from specstore.runtime.tree import DraftTree
+
+# (logits [1 + n, V] with row 0 the pending token, tree, sampling) -> (accepted node indices,
+# bonus token, per accepted node: True where a lossy rule accepted it; empty = all strict)
+AcceptanceRule = Callable[[torch.Tensor, DraftTree, Sampling], tuple[list[int], int, list[bool]]]
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    """Outcome of one verification: the accepted path (node indices into the tree), the
+    accepted draft tokens, and the target's own next token after them (the bonus)."""
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    bonus: int
+    num_drafted: int
+    # per accepted node: True where a relaxed (lossy) rule accepted it (ReSpec); empty = all strict
+    relaxed: list[bool] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Prefill:
+    """The prompt's forward: the first generated token, and the target's last hidden layer
+    ``hidden`` [H] and ``logits`` [V] at the prompt's last token (they chose ``bonus``)."""
+
+    bonus: int
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -31,8 +65,16 @@ class StepOutput:
     (the last token it processed before the bonus): ``hidden`` [H] and ``logits`` [V]."""
 
     result: VerifyResult
-    hidden: torch.Tensor
-    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+class Verifier(Protocol):
+    """What the decode loop drives: ``prefill`` once per request, then ``step`` per draft tree."""
+
+    def prefill(self, prompt_ids: list[int]) -> Prefill: ...
+
+    def step(self, pending: int, tree: DraftTree, acceptance: AcceptanceRule | None = None) -> StepOutput: ...
 
 
 def ancestor_matrix(tree: DraftTree) -> np.ndarray:
@@ -54,7 +96,7 @@ def tree_attention_inputs(
     [1, 1, 1 + n, num_cached + 1 + n] (0 where allowed, ``finfo(dtype).min`` elsewhere).
 
     Additive float, not bool: transformers' eager attention adds a bool mask as 0/1 and gives
-    wrong logits without an error (FINDINGS, "Tree verification").
+    wrong logits without an error.
     """
     depth = np.concatenate([[0], tree.depths()])
     positions = torch.as_tensor(num_cached + depth, device=device).unsqueeze(0)
@@ -72,21 +114,6 @@ def supports_tree_attention(model, cache) -> bool:
     if "flash" in impl:
         return False
     return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
-
-
-def clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:
-    """The subtree of nodes at depth <= ``max_depth`` (``meta['path_nodes']`` re-indexed)."""
-    if len(tree) == 0:
-        return tree
-    keep = tree.depths() <= max_depth
-    if keep.all():
-        return tree
-    new_index = np.cumsum(keep) - 1
-    parents = np.where(tree.parents[keep] < 0, -1, new_index[np.maximum(tree.parents[keep], 0)])
-    meta = dict(tree.meta)
-    if "path_nodes" in meta:
-        meta["path_nodes"] = [[int(new_index[i]) for i in path if keep[i]] for path in meta["path_nodes"]]
-    return DraftTree(tree.tokens[keep], parents, meta)
 
 
 class TreeVerifier:
@@ -114,13 +141,13 @@ class TreeVerifier:
         return logits, hidden
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> StepOutput:
+    def prefill(self, prompt_ids: list[int]) -> Prefill:
         """Run the prompt; its last token's logits choose the first generated token (the bonus)."""
         assert self.num_cached == 0, "prefill runs once per request"
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, hidden = self._forward(ids, self.cache, logits_to_keep=1)
         last = logits[0, -1]
-        return StepOutput(VerifyResult([], [], pick(last, self.sampling), 0), hidden[0, -1], last)
+        return Prefill(pick(last, self.sampling), hidden[0, -1], last)
 
     @torch.inference_mode()
     def tree_logits(self, pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,29 +178,26 @@ class TreeVerifier:
                 setattr(layer, name, torch.cat([full[..., : num_before + 1, :], tail], dim=-2))
 
     @torch.inference_mode()
-    def step(self, pending: int, tree: DraftTree) -> StepOutput:
-        """Verify ``tree`` after the pending token; the cache ends holding pending + accepted."""
+    def step(self, pending: int, tree: DraftTree, acceptance: AcceptanceRule | None = None) -> StepOutput:
+        """Verify ``tree`` after the pending token with ``acceptance`` (None: the sampling rule);
+        the cache ends holding pending + accepted."""
         if len(tree) and not self.tree_attention:
-            return self._step_batched(pending, tree)
+            return self._step_batched(pending, tree, acceptance)
         num_before = self.num_cached
         logits, hidden = self.tree_logits(pending, tree)
-        accepted, bonus, relaxed = self._accept(logits, tree)
+        accepted, bonus, relaxed = self._accept(logits, tree, acceptance)
         self.compact(num_before, tree, accepted)
         row = accepted[-1] + 1 if accepted else 0
         tokens = tree.tokens[accepted].tolist()
         return StepOutput(VerifyResult(accepted, tokens, bonus, len(tree), relaxed), hidden[row], logits[row])
 
-    def _accept(self, logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int, list[bool]]:
-        """``sampling.accept``, unless the drafter set the optional hook ``tree.meta["acceptance"]``
-        (ReSpec's relaxed rule, relaxed.py): ``hook(logits, tree, sampling) -> (accepted, bonus,
-        relaxed flags per accepted node)``. A lossy hook is the drafter's to declare (``lossless``)."""
-        hook = tree.meta.get("acceptance")
-        if hook is None:
+    def _accept(self, logits: torch.Tensor, tree: DraftTree, acceptance: AcceptanceRule | None) -> tuple[list[int], int, list[bool]]:
+        if acceptance is None:
             accepted, bonus = accept(logits, tree, self.sampling)
             return accepted, bonus, []
-        return hook(logits, tree, self.sampling)
+        return acceptance(logits, tree, self.sampling)
 
-    def _step_batched(self, pending: int, tree: DraftTree) -> StepOutput:
+    def _step_batched(self, pending: int, tree: DraftTree, acceptance: AcceptanceRule | None) -> StepOutput:
         """Fallback without tree attention: every root-to-leaf path is one row of a batch over a
         copy of the cache (right-padded, so the causal mask alone is right), then the accepted
         tokens are run once more on the real cache. Costs one extra forward of 1 + accepted
@@ -198,7 +222,7 @@ class TreeVerifier:
         index_b = torch.tensor([w[0] for w in where], device=self.device)
         index_t = torch.tensor([w[1] for w in where], device=self.device)
         node_logits, node_hidden = logits[index_b, index_t], hidden[index_b, index_t]
-        accepted, bonus, relaxed = self._accept(node_logits, tree)
+        accepted, bonus, relaxed = self._accept(node_logits, tree, acceptance)
         tokens = tree.tokens[accepted].tolist()
         self._forward(torch.tensor([[pending, *tokens]], dtype=torch.long, device=self.device), self.cache)
         row = accepted[-1] + 1 if accepted else 0

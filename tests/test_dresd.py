@@ -41,7 +41,7 @@ def test_query_finds_its_own_position_and_drafts_what_follows(tiny):
     for p in (3, 8, 15):
         tokens = doc[: p + 2]  # pending token doc[p + 1]; query = hidden state at doc[p]
         tree = drafter.propose(live_state(loaded.model, tokens))
-        first = [int(tree.tokens[i]) for i in tree.meta["path_nodes"][0]]
+        first = [int(tree.tokens[i]) for i in tree.paths[0]]
         assert first == doc[p + 2 : p + 2 + 9]
         assert 1 <= tree.meta["num_neighbours"] <= 10 and len(tree) <= 64
 
@@ -57,7 +57,7 @@ def test_every_neighbour_agrees_with_the_pending_token(tiny):
     assert tree.meta["num_neighbours"] == len(found)
     expected = [ds.continuations[r, 1:10] for r in found.rows]
     expected = [[int(t) for t in e if t >= 0] for e in expected]
-    for path, nodes in zip([e for e in expected if e], tree.meta["path_nodes"], strict=True):
+    for path, nodes in zip([e for e in expected if e], tree.paths, strict=True):
         assert [int(tree.tokens[i]) for i in nodes] == path
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from specstore.runtime.api import generate
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.model import ModelDrafter
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.drafters.respec import ReSpecConfig, ReSpecDrafter, entropy
@@ -19,7 +19,7 @@ from specstore.runtime.drafters.respec_pool import Candidate
 from specstore.runtime.relaxed import RelaxedRule, accept_relaxed
 from specstore.runtime.sampling import Sampling
 from specstore.runtime.tree import DraftTree
-from specstore.runtime.verify import TreeVerifier
+from specstore.runtime.verify import TreeVerifier, VerifyResult
 from tests.datastore_helpers import own_output_datastore
 
 V = 50
@@ -95,7 +95,7 @@ def test_observe_credits_each_candidate_with_its_accepted_prefix():
     paths = {("context", -3): [5, 6, 7], ("suffix", -9): [5, 6, 9], ("dense", 4): [8]}
     tree = DraftTree.from_paths(paths.values())
     tree.meta["candidate_keys"] = list(paths)
-    nodes = tree.meta["path_nodes"]
+    nodes = tree.paths
     state = DecodeState(tokens=[1, 5, 6, 7, 2], num_prompt=1)
     drafter.observe(state, tree, VerifyResult(nodes[0], [5, 6, 7], 2, len(tree)))
     assert drafter.scores == {("context", -3): 0.5 + 1.5, ("suffix", -9): 0.5 + 1.0, ("dense", 4): 0.5}
@@ -116,7 +116,7 @@ def test_candidates_under_the_threshold_never_reach_the_verifier(monkeypatch):
     assert set(tree.tokens.tolist()) == {12, 13, 16}
     drafter.scores = dict.fromkeys(drafter.scores, 0.0)  # nobody qualifies: the fallback drafts
     tree = drafter.propose(state)
-    assert tree.tokens.tolist() == [7, 8] and fallback.calls == 1 and tree.meta["retrieved"] == [False, False]
+    assert tree.tokens.tolist() == [7, 8] and fallback.calls == 1 and tree.node_data["retrieved"].tolist() == [False, False]
 
 
 def test_draft_length_follows_the_score(monkeypatch):
@@ -132,11 +132,11 @@ def test_draft_length_follows_the_score(monkeypatch):
     drafter.scores[("zero", 0)] = 0.0
     assert drafter.draft_length_for(("zero", 0), 8) == 1
     tree = drafter.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8))
-    paths = [tree.tokens[nodes].tolist() for nodes in tree.meta["path_nodes"]]
+    paths = [tree.tokens[nodes].tolist() for nodes in tree.paths]
     assert paths == [list(range(20, 26)), list(range(10, 13))]  # best score first, each cut to its length
     off = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=0.0, draft_length=8), StubDrafter())
     tree = off.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8))
-    assert sorted(len(n) for n in tree.meta["path_nodes"]) == [10, 10]  # 0: candidates as gathered (gather cuts to draft_length)
+    assert sorted(len(n) for n in tree.paths) == [10, 10]  # 0: candidates as gathered (gather cuts to draft_length)
     with pytest.raises(ValueError, match="length_factor"):
         ReSpecConfig(length_factor=-1)
 
@@ -231,7 +231,7 @@ def test_relaxed_on_counts_relaxed_tokens_and_each_satisfies_the_rule(near_miss)
     drafter = make_drafter("respec", ds, relaxed="on", relaxed_top_k=3, relaxed_ratio=0.1,
                            entropy_threshold=math.inf, num_context=0)
     assert not drafter.lossless
-    rule = drafter.rule = RecordingRule(drafter.rule)
+    rule = drafter.acceptance = RecordingRule(drafter.acceptance)
     for prompt in NEAR_PROMPTS:
         rule.calls.clear()
         result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=24)
@@ -246,7 +246,7 @@ def test_relaxed_on_counts_relaxed_tokens_and_each_satisfies_the_rule(near_miss)
                 if relaxed:
                     row = logits[parent_row]
                     probs = torch.softmax(row.double(), -1)
-                    assert tok != int(choice[parent_row]) and tree.meta["retrieved"][node]
+                    assert tok != int(choice[parent_row]) and tree.node_data["retrieved"][node]
                     assert tok in torch.topk(row, 3).indices.tolist()
                     assert probs[tok] >= 0.1 * probs.max() * (1 - 1e-6)
                     assert i + 1 < len(accepted) and not flags[i + 1]  # look-ahead: the next one is strict
@@ -282,7 +282,7 @@ def test_relaxed_off_verifier_result_has_no_flags(own):
     _, loaded, _ = own
     verifier = TreeVerifier(loaded.model)
     out = verifier.prefill([1, 2, 3])
-    step = verifier.step(out.result.bonus, DraftTree.chain([4, 5]))
+    step = verifier.step(out.bonus, DraftTree.chain([4, 5]))
     assert step.result.relaxed == []
 
 

@@ -50,11 +50,11 @@ def test_prefix_tree_keeps_the_most_frequent_prefixes(rows, max_nodes):
     counts = prefix_counts(rows)
     paths = tree_paths(tree)
     assert len(paths) == len(set(paths)) == min(max_nodes, len(counts))
-    for path, count in zip(paths, tree.meta["counts"], strict=True):
+    for path, count in zip(paths, tree.node_data["counts"], strict=True):
         assert counts[path] == count
         assert path[:-1] in set(paths) | {()}  # closed under prefixes
     if paths:  # nothing left out is more frequent than something kept
-        assert max((c for p, c in counts.items() if p not in set(paths)), default=0) <= min(tree.meta["counts"])
+        assert max((c for p, c in counts.items() if p not in set(paths)), default=0) <= min(tree.node_data["counts"])
     # row order does not matter
     again = prefix_tree(rows[::-1], max_nodes)
     assert np.array_equal(again.tokens, tree.tokens) and np.array_equal(again.parents, tree.parents)
@@ -99,7 +99,7 @@ def test_rest_caps_nodes_and_matches_deterministically():
     drafter = RestDrafter(index_of(docs), RestConfig(max_nodes=16, max_matches=100))
     tree = drafter.propose(state([5, 6]))
     assert len(tree) == 16 and tree.meta["num_matches"] == 500
-    assert sum(tree.meta["counts"][tree.parents == -1]) <= 100  # only the sample was counted
+    assert sum(tree.node_data["counts"][tree.parents == -1]) <= 100  # only the sample was counted
     again = drafter.propose(state([5, 6]))
     assert np.array_equal(tree.tokens, again.tokens) and np.array_equal(tree.parents, again.parents)
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from specstore.runtime.relaxed import RelaxedRule
 from specstore.runtime.sampling import Sampling
-from specstore.runtime.tree import DraftTree
-from specstore.runtime.verify import TreeVerifier, ancestor_matrix, clip_depth, tree_attention_inputs
+from specstore.runtime.tree import DraftTree, clip_depth
+from specstore.runtime.verify import TreeVerifier, ancestor_matrix, tree_attention_inputs
 from tests.decoding_helpers import FAMILIES, tiny
 
 CASES = [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gpt2", "eager")]
@@ -50,9 +51,35 @@ def test_clip_depth_reindexes():
     tree = DraftTree.from_paths([[1, 2, 3], [1, 4], [5, 6, 7, 8]])
     clipped = clip_depth(tree, 2)
     assert clipped.depths().max() == 2
-    assert [clipped.tokens[clipped.path_to(n[-1])].tolist() for n in clipped.meta["path_nodes"]] == [[1, 2], [1, 4], [5, 6]]
+    assert [clipped.tokens[clipped.path_to(n[-1])].tolist() for n in clipped.paths] == [[1, 2], [1, 4], [5, 6]]
     assert clip_depth(tree, 0).tokens.tolist() == []
     assert clip_depth(tree, 9) is tree
+
+
+def test_clip_depth_keeps_every_per_node_field_consistent():
+    paths = [[1, 2, 3], [1, 4], [5, 6, 7, 8], [9, 10, 11]]
+    tree = DraftTree.from_paths(paths, max_nodes=10)
+    n = len(tree)
+    # per-node fields that identify their node: its token, and its token times 10
+    tree.node_data["counts"] = tree.tokens * 10
+    tree.node_data["retrieved"] = tree.tokens % 2 == 0
+    tree.meta["candidate_keys"] = [("k", i) for i in range(len(paths))]
+    for depth in (0, 1, 2, 3):
+        clipped = clip_depth(tree, depth)
+        assert len(clipped) == int((tree.depths() <= depth).sum()) < n
+        assert clipped.node_data["counts"].tolist() == (clipped.tokens * 10).tolist()
+        assert clipped.node_data["retrieved"].tolist() == (clipped.tokens % 2 == 0).tolist()
+        assert clipped.meta["candidate_keys"] == tree.meta["candidate_keys"]  # per-path values stay aligned
+        assert len(clipped.paths) == len(paths)
+        for k, nodes in enumerate(clipped.paths):
+            # each path keeps the prefix of its nodes that survived, in order, as a root path
+            want = [t for t in tree.tokens[tree.paths[k]].tolist()][: len(nodes)]
+            assert clipped.tokens[nodes].tolist() == want
+            assert nodes == (clipped.path_to(nodes[-1]) if nodes else [])
+    with pytest.raises(ValueError, match="node_data"):
+        DraftTree([1, 2], [-1, 0], node_data={"counts": np.zeros(3)})
+    with pytest.raises(ValueError, match="parent"):
+        tree.subset(np.arange(n) != 0)  # drops node 0 but keeps its child
 
 
 @pytest.mark.parametrize("family,attn", CASES)
@@ -96,7 +123,7 @@ def test_step_accepts_path_and_cache_equals_plain_decoding(family, attn, fallbac
     prompt = rng.integers(3, vocab, size=9).tolist()
     verifier = TreeVerifier(model, Sampling())
     verifier.tree_attention = not fallback
-    pending = verifier.prefill(prompt).result.bonus
+    pending = verifier.prefill(prompt).bonus
     ref = greedy_reference(model, prompt + [pending], 4)
     # the right path is the *second* branch, so compaction must re-index (not just crop)
     wrong = [(ref[0] + 1) % vocab, ref[1]]
@@ -122,7 +149,7 @@ def test_rejected_tree_keeps_only_pending(family):
     model, _ = tiny(family)
     prompt = list(range(5, 15))
     verifier = TreeVerifier(model)
-    pending = verifier.prefill(prompt).result.bonus
+    pending = verifier.prefill(prompt).bonus
     ref = greedy_reference(model, prompt + [pending], 1)[0]
     tree = DraftTree.from_paths([[(ref + 1) % 1000 + 3, 4, 5], [(ref + 2) % 1000 + 3]])
     out = verifier.step(pending, tree)
@@ -143,7 +170,67 @@ def test_sliding_window_model_falls_back_to_batches():
         verifier = TreeVerifier(model)
     assert not verifier.tree_attention
     prompt = list(range(20, 40))
-    pending = verifier.prefill(prompt).result.bonus
+    pending = verifier.prefill(prompt).bonus
     ref = greedy_reference(model, prompt + [pending], 3)
     out = verifier.step(pending, DraftTree.from_paths([[ref[0], 99], ref[:2]]))
     assert out.result.accepted_tokens == ref[:2] and out.result.bonus == ref[2]
+
+
+class SpyRule:
+    """An acceptance rule that records its calls and otherwise accepts like the sampling rule."""
+
+    def __init__(self, inner=None):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, logits, tree, sampling):
+        self.calls += 1
+        if self.inner is not None:
+            return self.inner(logits, tree, sampling)
+        from specstore.runtime.sampling import accept
+
+        accepted, bonus = accept(logits, tree, sampling)
+        return accepted, bonus, [False] * len(accepted)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_acceptance_rule_is_an_explicit_argument(fallback):
+    """A relaxed rule given to ``step`` accepts a near miss the sampling rule refuses; the same
+    rule left in ``tree.meta`` (where it used to be read from) changes nothing."""
+    model, _ = tiny("llama")
+    prompt = list(range(30, 45))
+    pending = int(plain_logits(model, prompt).argmax())
+
+    def verifier():
+        v = TreeVerifier(model)
+        v.tree_attention = not fallback
+        v.prefill(prompt)
+        return v
+
+    # the runner-up after the pending token, then what the target says after it
+    second = greedy_reference(model, prompt + [pending], 1)[0]
+    runner_up = int(torch.topk(plain_logits(model, prompt + [pending]), 2).indices[1])
+    look_ahead = int(plain_logits(model, prompt + [pending, runner_up]).argmax())
+    tree = DraftTree.chain([runner_up, look_ahead])
+    tree.node_data["retrieved"] = np.array([True, True])
+    rule = RelaxedRule(top_k=2, ratio=1e-6)
+    tree.meta["acceptance"] = rule
+    strict = verifier().step(pending, tree)
+    assert strict.result.accepted_tokens == [] and strict.result.bonus == second and strict.result.relaxed == []
+    relaxed = verifier().step(pending, tree, rule)
+    assert relaxed.result.accepted_tokens == [runner_up, look_ahead] and relaxed.result.relaxed == [True, False]
+    spy = SpyRule()
+    assert verifier().step(pending, tree, spy).result.accepted_tokens == [] and spy.calls == 1
+
+
+def test_decode_passes_the_drafters_acceptance_rule():
+    from specstore.runtime.decode import decode
+    from tests.decoding_helpers import OracleDrafter
+
+    model, _ = tiny("llama")
+    prompt = list(range(50, 70))
+    ref = greedy_reference(model, prompt, 12)
+    drafter = OracleDrafter(ref, model.config.vocab_size, depth=4)
+    drafter.acceptance = SpyRule()
+    out = decode(model, prompt, drafter, 12, Sampling())
+    assert out.token_ids == ref
+    assert drafter.acceptance.calls == out.stats.steps - 1  # every verification after the prefill

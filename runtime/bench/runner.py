@@ -59,6 +59,11 @@ class TimedDrafter:
         self.inner, self.name, self.lossless = inner, inner.name, getattr(inner, "lossless", True)
         self.latencies_ms: list[float] = []
 
+    @property
+    def acceptance(self):
+        """The inner drafter's own acceptance rule (None: the sampling rule)."""
+        return getattr(self.inner, "acceptance", None)
+
     def reset(self, prompt: list[int]) -> None:
         self.latencies_ms = []
         self.inner.reset(prompt)

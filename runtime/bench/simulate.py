@@ -2,10 +2,12 @@
 
 Under greedy verification the accepted path is the longest tree path that equals the
 reference, and the bonus token is the reference's next token, so a drafter can be replayed
-against references alone: the same states (tokens, budget, hidden state and logits at the last
-processed token), the same trees, the same feedback. pld and rest need no model at all; dresd
-and respec read hidden states and logits from one full forward over each reference. The
-result equals the bench's MAT for the same settings (tests/test_simulate.py).
+against references alone. Owns the replay verifier (``ReplayVerifier``: the TreeVerifier's
+interface, answering from the reference) and the command; the loop is decode.py's own
+``decode``, so the states (tokens, budget, hidden state and logits at the last processed
+token), trees, feedback and stops are the bench's by construction. pld and rest need no model
+at all; methods that read the target's states (the registry's ``states``: dresd, respec) get
+them from one full forward over each reference.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from specstore.runtime.bench.runner import NEEDS_DATASTORE, parse_options
-from specstore.runtime.decode import context_limit
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.decode import DecodeStats, context_limit, decode
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.sampling import children_lists
-from specstore.runtime.verify import clip_depth
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import AcceptanceRule, Prefill, StepOutput, VerifyResult
 from specstore.schemas.bench import BenchResult
 
 
@@ -34,20 +36,7 @@ class Reference:
     output_ids: list[int]  # greedy ar output (ends with EOS when decoding stopped on one)
 
 
-@dataclass(slots=True)
-class SimResult:
-    num_tokens: int
-    steps: int
-    accepted_per_step: list[int]
-    num_drafted: int
-    num_accepted: int
-
-    @property
-    def mat(self) -> float:
-        return self.num_tokens / self.steps if self.steps else 0.0
-
-
-def greedy_walk(tree, expected: list[int]) -> tuple[list[int], int | None]:
+def greedy_walk(tree: DraftTree, expected: list[int]) -> tuple[list[int], int | None]:
     """Accepted node indices along the reference, and the bonus (None past the reference's end)."""
     children, tokens = children_lists(tree), tree.tokens.tolist()
     accepted, row = [], 0
@@ -61,38 +50,49 @@ def greedy_walk(tree, expected: list[int]) -> tuple[list[int], int | None]:
         row = nxt + 1
 
 
-def simulate_one(drafter, ref: Reference, max_new_tokens: int, ctx: int | None,
-                 states: tuple[torch.Tensor, torch.Tensor] | None = None) -> SimResult:
-    """Replay one reference. ``states``: (hidden [T, H], logits [T, V]) of prompt + output."""
-    prompt, out = ref.prompt_ids, ref.output_ids
-    ctx = ctx if ctx is not None else len(prompt) + max_new_tokens
-    state = DecodeState(tokens=list(prompt), num_prompt=len(prompt))
-    drafter.reset(list(prompt))
-    res = SimResult(0, 0, [], 0, 0)
+class ReplayVerifier:
+    """Answers ``prefill`` and ``step`` from a greedy reference: accepts along it and returns
+    the stored hidden state and logits at the last accepted position. ``states``: (hidden
+    [T, H], logits [T, V]) over prompt + output, or None for drafters that read neither.
+
+    The decode loop never asks past the reference when its stops are the reference's own (see
+    ``simulate_one``); a path that runs past it is accepted up to the end (the end is an EOS
+    there, which the loop cuts at) and gets the bonus -1, never committed."""
+
+    def __init__(self, ref: Reference, states: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.full = [*ref.prompt_ids, *ref.output_ids]
+        self.states = states
+        self.num_done = 0  # tokens of ``full`` committed so far
+
+    def _at(self, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None, None) if self.states is None else (self.states[0][position], self.states[1][position])
+
+    def prefill(self, prompt_ids: list[int]) -> Prefill:
+        self.num_done = len(prompt_ids) + 1
+        return Prefill(self.full[len(prompt_ids)], *self._at(len(prompt_ids) - 1))
+
+    def step(self, pending: int, tree: DraftTree, acceptance: AcceptanceRule | None = None) -> StepOutput:
+        if acceptance is not None:
+            raise SpecstoreError("a drafter's own acceptance rule (respec relaxed=on) cannot be replayed: simulate strict drafters")
+        assert self.num_done < len(self.full), "the replay ran past its reference"
+        accepted, bonus = greedy_walk(tree, self.full[self.num_done :])
+        last = self.num_done - 1 + len(accepted)  # the last token the target would have processed
+        self.num_done += len(accepted) + 1
+        result = VerifyResult(accepted, tree.tokens[accepted].tolist(), -1 if bonus is None else bonus, len(tree))
+        return StepOutput(result, *self._at(last))
+
+
+def simulate_one(drafter, ref: Reference, max_new_tokens: int, context: int | None,
+                 states: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeStats:
+    """Replay one reference through ``decode``. Stops where ar stopped: at ``max_new_tokens``,
+    at the ``context`` limit (None: none), or on the reference's last token when it ended
+    earlier (an EOS: ar never emits one before it stops on it)."""
+    out, done = ref.output_ids, len(ref.prompt_ids) + len(ref.output_ids)
     if not out:
-        return res
-    new, tree, result = [out[0]], None, None  # the prefill commits the first token
-    while True:
-        state.tokens.extend(new)
-        if states is not None:
-            state.last_hidden, state.last_logits = states[0][len(state.tokens) - 2], states[1][len(state.tokens) - 2]
-        res.steps += 1
-        res.accepted_per_step.append(len(new))
-        if result is not None:
-            res.num_drafted += result.num_drafted
-            res.num_accepted += min(len(result.accepted_tokens), len(new))
-            drafter.observe(state, tree, result)
-        done = len(state.generated)
-        if done >= len(out):
-            res.num_tokens = done
-            return res
-        state.budget = min(max_new_tokens - done, ctx - len(state.tokens)) - 1
-        state.step = res.steps
-        tree = clip_depth(drafter.propose(state), state.budget)
-        accepted, bonus = greedy_walk(tree, out[done:])
-        tokens = tree.tokens[accepted].tolist()
-        result = VerifyResult(accepted, tokens, bonus if bonus is not None else -1, len(tree))
-        new = (tokens + ([bonus] if bonus is not None else []))[: len(out) - done]
+        return DecodeStats()
+    ended_early = len(out) < max_new_tokens and (context is None or done < context)
+    eos = (out[-1],) if ended_early else ()
+    return decode(ReplayVerifier(ref, states), ref.prompt_ids, drafter, max_new_tokens, eos_ids=eos, context=context).stats
 
 
 @torch.inference_mode()
@@ -102,10 +102,14 @@ def reference_states(model, ref: Reference) -> tuple[torch.Tensor, torch.Tensor]
     return hidden[0], logits[0]
 
 
-def simulate(make: Callable[[], object], refs: list[Reference], max_new_tokens: int, model=None) -> list[SimResult]:
+def simulate(make: Callable[[], object], refs: list[Reference], max_new_tokens: int, model=None,
+             context: int | None = None) -> list[DecodeStats]:
+    """Replay every reference with one drafter from ``make``. ``model``: computes the states
+    (hidden, logits) drafters read; ``context``: the target's limit (default: ``model``'s)."""
     drafter = make()
-    ctx = context_limit(model) if model is not None else None
-    return [simulate_one(drafter, r, max_new_tokens, ctx, reference_states(model, r) if model is not None else None)
+    if context is None and model is not None:
+        context = context_limit(model)
+    return [simulate_one(drafter, r, max_new_tokens, context, reference_states(model, r) if model is not None else None)
             for r in refs]
 
 
@@ -150,7 +154,7 @@ def run_simulate_command(args) -> int:
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
             sims = simulate(lambda m=m, opts=opts: make_drafter(m, datastore=ds, **opts), refs, bench.max_new_tokens,
-                            lm.model if need_model else None)
+                            lm.model if need_model else None, context_limit(lm.model) if lm is not None else None)
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
             drafted = sum(s.num_drafted for s in sims)
             rows.append({"method": m, "options": opts, "mat": tokens / steps if steps else 0.0,

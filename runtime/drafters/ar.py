@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
 
 
 class AutoregressiveDrafter:

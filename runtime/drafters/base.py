@@ -1,17 +1,23 @@
 """The drafter contract: ``propose(state) -> DraftTree`` and ``observe(state, tree, result)``.
 
 An empty tree means "decode one token normally". Drafters see the decode state read-only and
-never touch the model's cache, masks or positions.
+never touch the model's cache, masks or positions. A drafter whose drafts are accepted by its
+own rule (ReSpec's relaxed mode) exposes it as ``acceptance`` (verify.AcceptanceRule); the
+decode loop reads it once per request and passes it to the verifier. Without the attribute, or
+with None, the sampling rule decides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
-
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specstore.runtime.tree import DraftTree
+
+if TYPE_CHECKING:
+    import torch
+
+    from specstore.runtime.verify import VerifyResult
 
 
 @dataclass(slots=True)
@@ -36,19 +42,6 @@ class DecodeState:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt :]
-
-
-@dataclass(slots=True)
-class VerifyResult:
-    """Outcome of one verification: the accepted path (node indices into the tree), the
-    accepted draft tokens, and the target's own next token after them (the bonus)."""
-
-    accepted_nodes: list[int]
-    accepted_tokens: list[int]
-    bonus: int
-    num_drafted: int
-    # per accepted node: True where a relaxed (lossy) rule accepted it (ReSpec); empty = all strict
-    relaxed: list[bool] = field(default_factory=list)
 
 
 @runtime_checkable

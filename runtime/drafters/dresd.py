@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from specstore.runtime.dense import DenseIndex
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import Normaliser
 from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
 from specstore.schemas.tables import PAD_TOKEN
 
 

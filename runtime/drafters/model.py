@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
 
 
 class ModelDrafter:

@@ -11,15 +11,16 @@ Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the rel
 2. Scores. Every candidate key (source + match thread, see respec_pool.py) has an EMA of the
    number of its draft tokens the target accepted when it was used:
    ``score <- (1 - ema_alpha) * score + ema_alpha * accepted``; an unseen key starts at
-   ``prior_score``. Updated in ``observe`` from ``tree.meta["candidate_keys"]``,
-   ``tree.meta["path_nodes"]`` and ``result.accepted_nodes``. Scores live for one request.
+   ``prior_score``. Updated in ``observe`` from ``tree.meta["candidate_keys"]`` (one per
+   path), ``tree.paths`` and ``result.accepted_nodes``. Scores live for one request.
 3. Selection. Candidates with ``score >= score_threshold``, best score first (ties: the pool's
    order, which interleaves context, suffix array and dense by rank), at most ``max_candidates``,
    each cut to ``ceil(length_factor x score) + 1`` tokens (a new key: 3), merged into one trie of
    at most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier.
 4. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
-   nodes may be accepted by the relaxed top-k / ratio / look-ahead rule (relaxed.py); model-made
-   fallback drafts stay strict; the drafter reports ``lossless = False``.
+   nodes (``tree.node_data["retrieved"]``) may be accepted by the relaxed top-k / ratio /
+   look-ahead rule (relaxed.py), which the drafter exposes as ``acceptance`` for the decode loop
+   to pass to the verifier; model-made fallback drafts stay strict; ``lossless`` is False.
 
 Defaults (``entropy_threshold`` 4 nats, ``max_candidates`` 3, ``length_factor`` 2,
 ``score_threshold`` 0.5) were chosen with ``benchmarks/reference_compare.py --split tune``:
@@ -69,14 +70,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from specstore.runtime.drafters.base import DecodeState, Drafter, VerifyResult
+from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
 from specstore.runtime.drafters.respec_pool import PoolConfig, gather
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.relaxed import RelaxedRule
 from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
 
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
 
@@ -121,7 +124,8 @@ class ReSpecDrafter:
         self.config = config or ReSpecConfig()
         self.fallback = fallback if fallback is not None else PromptLookupDrafter(num_draft_tokens=self.config.draft_length)
         self.lossless = not self.config.relaxed
-        self.rule = RelaxedRule(self.config.relaxed_top_k, self.config.relaxed_ratio) if self.config.relaxed else None
+        # the verifier's acceptance rule for this drafter's trees (None: the sampling rule)
+        self.acceptance = RelaxedRule(self.config.relaxed_top_k, self.config.relaxed_ratio) if self.config.relaxed else None
         self.scores: dict[tuple[str, int], float] = {}
         self.num_retrieved_steps = 0  # steps whose tree came from qualifying candidates
         self.num_fallback_steps = 0
@@ -167,22 +171,12 @@ class ReSpecDrafter:
                 self.num_retrieved_steps += 1
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
                 tree.meta["candidate_keys"] = [c.key for c in chosen]
-                sources: list[set[str]] = [set() for _ in range(len(tree))]
-                for c, nodes in zip(chosen, tree.meta["path_nodes"], strict=True):
-                    for node in nodes:
-                        sources[node].add(c.source)
-                return self._finish(tree, [sorted(s) for s in sources])
+                tree.node_data["retrieved"] = np.ones(len(tree), dtype=bool)  # every pool source retrieves
+                return tree
         self.num_fallback_steps += 1
         tree = self.fallback.propose(state)
-        source = getattr(self.fallback, "source", "lookup")
-        return self._finish(tree, [[source]] * len(tree))
-
-    def _finish(self, tree: DraftTree, sources: list[list[str]]) -> DraftTree:
-        """Attach per-node sources, and the relaxed acceptance hook when enabled."""
-        tree.meta["sources"] = sources
-        tree.meta["retrieved"] = [not any(s in MODEL_SOURCES for s in node) for node in sources]
-        if self.rule is not None and len(tree):
-            tree.meta["acceptance"] = self.rule
+        retrieved = getattr(self.fallback, "source", "lookup") not in MODEL_SOURCES
+        tree.node_data["retrieved"] = np.full(len(tree), retrieved, dtype=bool)
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
@@ -190,7 +184,7 @@ class ReSpecDrafter:
         if not keys:
             return
         accepted = set(result.accepted_nodes)
-        for key, nodes in zip(keys, tree.meta["path_nodes"], strict=True):
+        for key, nodes in zip(keys, tree.paths, strict=True):
             if not nodes:  # cut by the node cap or the budget: it never reached the verifier
                 continue
             count = 0

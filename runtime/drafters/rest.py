@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex
 from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ def prefix_tree(continuations: np.ndarray, max_nodes: int, min_count: int = 1) -
     SEPARATOR-padded) as a trie. Ties go to the shorter prefix, then the lexicographically
     smaller, so the kept set is closed under prefixes (a prefix is at least as frequent as any
     of its extensions) and the result does not depend on row order.
-    ``meta['counts']``: occurrences per node."""
+    ``node_data['counts']``: occurrences per node."""
     rows = np.asarray(continuations)
     if rows.size == 0 or max_nodes <= 0:
         return _empty()
@@ -70,12 +71,12 @@ def prefix_tree(continuations: np.ndarray, max_nodes: int, min_count: int = 1) -
     chosen = np.sort(order)  # depth-major: parents before children
     index_of = {int(g): i for i, g in enumerate(gid[chosen])}
     parents = np.array([-1 if p < 0 else index_of[int(p)] for p in parent[chosen]], dtype=np.int64)
-    return DraftTree(token[chosen].astype(np.int64), parents, {"counts": count[chosen]})
+    return DraftTree(token[chosen].astype(np.int64), parents, node_data={"counts": count[chosen].astype(np.int64)})
 
 
 def _empty() -> DraftTree:
     tree = DraftTree.empty()
-    tree.meta["counts"] = np.zeros(0, dtype=np.int64)
+    tree.node_data["counts"] = np.zeros(0, dtype=np.int64)
     return tree
 
 

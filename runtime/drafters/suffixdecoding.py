@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from specstore.runtime.drafters.base import DecodeState, VerifyResult
+from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
 
 INSTALL_HINT = "SuffixDecoding needs the optional arctic-inference build: run `make install-suffixdecoding`"
 

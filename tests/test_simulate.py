@@ -1,0 +1,84 @@
+"""The simulator replays a stored greedy reference through decode()'s own loop: per step it
+commits, drafts and observes exactly what decoding with the target does, whichever way ar
+stopped (EOS inside a draft, max_new_tokens, the context), and never reads past the reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from specstore.runtime.bench.simulate import Reference, ReplayVerifier, reference_states, simulate_one
+from specstore.runtime.decode import decode
+from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.sampling import Sampling
+from specstore.runtime.tree import DraftTree
+from tests.decoding_helpers import OracleDrafter, tiny
+
+
+class Recorder(OracleDrafter):
+    """The oracle drafter, keeping every state it was shown (tokens, budget, hidden, logits)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def propose(self, state):
+        self.seen.append((list(state.tokens), state.budget, state.last_hidden, state.last_logits))
+        return super().propose(state)
+
+
+def _same_run(model, prompt, max_new, eos=(), context=None, depth=8):
+    ar = decode(model, prompt, make_drafter("ar"), max_new, Sampling(), eos, context=context)
+    vocab = model.config.vocab_size
+    truth = ar.token_ids + [7] * 20  # the oracle also drafts past the reference's end
+    real = Recorder(truth, vocab, seed=1, depth=depth)
+    want = decode(model, prompt, real, max_new, Sampling(), eos, context=context)
+    replayed = Recorder(truth, vocab, seed=1, depth=depth)
+    ref = Reference(prompt, ar.token_ids)
+    got = simulate_one(replayed, ref, max_new, context, reference_states(model, ref))
+    assert got.accepted_per_step == want.stats.accepted_per_step
+    assert (got.num_drafted, got.num_accepted, got.steps) == (want.stats.num_drafted, want.stats.num_accepted, want.stats.steps)
+    assert len(replayed.seen) == len(real.seen)
+    for (tokens, budget, hidden, logits), (t2, b2, h2, l2) in zip(real.seen, replayed.seen, strict=True):
+        assert (tokens, budget) == (t2, b2)
+        assert int(logits.argmax()) == int(l2.argmax()) == tokens[-1]
+        assert (hidden - h2).abs().max() < 1e-3
+    return ar
+
+
+def test_replay_equals_decoding_when_ar_stops_on_eos():
+    model, _ = tiny("llama")
+    prompt = list(range(200, 230))
+    ref = decode(model, prompt, make_drafter("ar"), 25, Sampling()).token_ids
+    ar = _same_run(model, prompt, 25, eos={ref[9]})
+    assert ar.stop_reason == "eos" and len(ar.token_ids) < 25
+
+
+def test_replay_equals_decoding_at_max_new_tokens():
+    model, _ = tiny("llama")
+    ar = _same_run(model, list(range(100, 120)), 30)
+    assert ar.stop_reason == "length"
+
+
+def test_replay_equals_decoding_at_the_context_limit():
+    model, _ = tiny("llama")
+    ar = _same_run(model, list(range(300, 330)), 50, context=40)
+    assert ar.stop_reason == "context" and len(ar.token_ids) == 10
+
+
+def test_replay_verifier_accepts_along_the_reference():
+    ref = Reference([1, 2, 3], [4, 5, 6, 7])
+    replay = ReplayVerifier(ref)
+    assert replay.prefill([1, 2, 3]).bonus == 4
+    out = replay.step(4, DraftTree.from_paths([[5, 9], [5, 6, 8]]))
+    assert out.result.accepted_tokens == [5, 6] and out.result.bonus == 7 and out.hidden is None
+    assert out.result.num_drafted == 4
+    with pytest.raises(AssertionError, match="past its reference"):
+        replay.step(7, DraftTree.empty())
+
+
+def test_a_lossy_acceptance_rule_cannot_be_replayed():
+    replay = ReplayVerifier(Reference([1, 2], [3, 4]))
+    replay.prefill([1, 2])
+    with pytest.raises(SpecstoreError, match="cannot be replayed"):
+        replay.step(3, DraftTree.chain([4]), acceptance=lambda logits, tree, sampling: ([], 0, []))
