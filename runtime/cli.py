@@ -12,8 +12,6 @@ import sys
 
 from specstore.runtime.errors import SpecstoreError
 
-METHODS = ("ar", "pld", "rest", "dresd", "respec")
-
 
 def _add_store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, metavar="DIR", help="store directory (a LanceDB database)")
@@ -81,14 +79,17 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     p.set_defaults(handler=_cmd_gc)
 
+    from specstore.runtime.drafters import registry  # light: method names and their CLI modules, no torch
+
     p = sub.add_parser(
         "generate",
         help="decode a prompt with a drafting method",
         description="Send PROMPT as a user message through the model's chat template and decode it, streaming text as it is accepted.",
     )
     _add_store(p)
-    p.add_argument("--datastore", default=None, metavar="REF", help="NAME, NAME@VERSION or NAME@TAG (needed by rest, dresd, respec); a comma list routes the prompt to the nearest domain")
-    p.add_argument("--method", default="rest", choices=METHODS)
+    p.add_argument("--datastore", default=None, metavar="REF", help=f"NAME, NAME@VERSION or NAME@TAG (needed by {', '.join(registry.datastore_methods(registry.available()))}); "
+                   "a comma list routes the prompt to the nearest domain")
+    p.add_argument("--method", default="rest", choices=registry.available())
     p.add_argument("--prompt", required=True)
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -98,19 +99,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g = p.add_argument_group("respec", "ReSpec thresholds (defaults and how they were measured: runtime/drafters/respec.py)")
-    g.add_argument("--entropy-threshold", type=float, default=None, metavar="NATS", help="retrieve only when the next-token entropy is below this (default 4.0)")
-    g.add_argument("--max-candidates", type=int, default=None, metavar="N", help="retrieved candidates merged into one draft tree per step (default 3)")
-    g.add_argument("--length-factor", type=float, default=None, metavar="F",
-                   help="a candidate drafts ceil(F x its score) + 1 tokens, at most 8 (default 2; 0 = always 8)")
-    g.add_argument("--score-threshold", type=float, default=None, metavar="TOKENS", help="draft only candidates whose EMA of accepted tokens reaches this (default 0.5)")
-    g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
-    g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K")
-    g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's")
-    g.add_argument("--draft-model", default=None, metavar="FOLDER",
-                   help="fallback drafter: a small Hugging Face model with the target's tokenizer (default: prompt lookup, model-free); "
-                   "its drafts are always verified strictly")
-    g.add_argument("--draft-tokens", type=int, default=4, metavar="N", help="tokens the draft model proposes per step (default 4)")
+    registry.add_cli_options(p)  # each method's own options (ReSpec's: drafters/respec_cli.py)
     p.set_defaults(handler=_cmd_generate)
 
     p = sub.add_parser(

@@ -1,9 +1,11 @@
 """``specstore generate``: decode one prompt with one drafting method, streaming accepted text.
 
-Owns the command's flow: resolve the datastore reference first (an unknown name, version or tag
-fails before the model loads), load the model, open the datastore version against that model
-(mismatches and checksum failures raise SpecstoreError, which cli.py prints as one line), build
-the drafter through the registry and call ``api.generate``. Does not own decoding or drafting.
+Owns the command's flow: check the arguments and resolve the datastore references first (an
+unknown name, version or tag fails before the model loads), load the model, open the datastore
+version against that model (mismatches and checksum failures raise SpecstoreError, which cli.py
+prints as one line), route among several datastores, build the drafter through the registry
+(which also turns a method's own flags into its options) and call ``api.generate``. Does not own
+decoding, drafting or any one method's options.
 """
 
 from __future__ import annotations
@@ -14,27 +16,15 @@ import sys
 
 from specstore.runtime.errors import SpecstoreError
 
-DATASTORE_METHODS = ("rest", "dresd", "respec")
-DENSE_METHODS = ("dresd", "respec")
-
 
 def run_generate(args: argparse.Namespace) -> int:
     from specstore.runtime.api import generate
-    from specstore.runtime.datastore import Datastore
-    from specstore.runtime.drafters.registry import make_drafter
+    from specstore.runtime.drafters import registry
     from specstore.runtime.models import load_model
-    from specstore.runtime.store import Store
 
-    datastore = route = None
-    if args.method in DATASTORE_METHODS:
-        if not args.datastore:
-            raise SpecstoreError(f"method '{args.method}' needs --datastore NAME[@VERSION|@TAG]")
-        store = Store(args.store)
-        refs = [r.strip() for r in args.datastore.split(",") if r.strip()]  # several: routed per prompt
-        if not refs:
-            raise SpecstoreError(f"--datastore {args.datastore!r} names no datastore")
-        for ref in refs:
-            store.resolve(ref)  # fail fast, before the model loads
+    method = registry.method_info(args.method)
+    registry.check_cli_options(args.method, args)
+    store, refs = _resolve(args) if method.datastore else (None, [])
     if args.max_new_tokens < 0:
         raise SpecstoreError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -43,99 +33,64 @@ def run_generate(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()  # the terminal shows the answer, not weight-loading bars
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.method in DATASTORE_METHODS:
-        device = next(loaded.model.parameters()).device
-        opened = [Datastore.open(store, ref, loaded.info, dense=args.method in DENSE_METHODS, device=device) for ref in refs]
-        datastore = opened[0]
-        if len(opened) > 1:
-            from specstore.runtime.api import prompt_ids
-            from specstore.runtime.router import Router
-
-            route = Router(opened).route(loaded.model, prompt_ids(loaded.tokenizer, args.prompt), prompt_ids(loaded.tokenizer, ""))
-            datastore = opened[route.index]
-            if not args.json:
-                print(f"[route] {datastore.ref} ({', '.join(f'{r} {v:.3f}' for r, v in route.scores.items())})", file=sys.stderr)
-    extra = {}
-    if getattr(args, "draft_model", None):
-        extra["fallback"] = draft_model_fallback(args, loaded)
-    drafter = make_drafter(args.method, datastore, **respec_options(args), **extra)
+    datastore, route = _open(args, store, refs, loaded, dense=method.dense) if refs else (None, None)
+    options = registry.options_from_args(args.method, args, loaded)
+    drafter = registry.make_drafter(args.method, datastore, **options)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = generate(
-        loaded.model,
-        loaded.tokenizer,
-        args.prompt,
-        drafter=drafter,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stream=None if args.json else stream,
-    )
-    stats = result.stats.to_dict()
+    result = generate(loaded.model, loaded.tokenizer, args.prompt, drafter=drafter, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=None if args.json else stream)
+    lossless = bool(getattr(drafter, "lossless", True))
     if args.json:
-        out = {
-            "method": args.method,
-            **({"respec": respec_stats(drafter)} if args.method == "respec" else {}),
-            "datastore": datastore.ref if datastore is not None else None,
-            "routing": route.scores if route is not None else None,
-            "lossless": bool(getattr(drafter, "lossless", True)),
-            **result.to_dict(),
-        }
-        print(json.dumps(out))
+        own = {args.method: drafter.stats()} if callable(getattr(drafter, "stats", None)) else {}
+        print(json.dumps({"method": args.method, **own, "datastore": datastore.ref if datastore is not None else None,
+                          "routing": route.scores if route is not None else None, "lossless": lossless,
+                          **result.to_dict()}))
         return 0
+    stats = result.stats
     print()
-    print(
-        f"[{args.method}] {len(result.token_ids)} tokens in {stats['steps']} steps, MAT {stats['mat']:.2f}, "
-        f"drafting {stats['drafting_s']:.3f} s, verifying {stats['verifying_s']:.3f} s, stop: {result.stop_reason}",
-        file=sys.stderr,
-    )
-    if not getattr(drafter, "lossless", True):
-        print(f"[{args.method}] LOSSY: relaxed verification, {stats.get('num_relaxed', 0)} tokens accepted by the relaxed rule; "
+    print(f"[{args.method}] {len(result.token_ids)} tokens in {stats.steps} steps, MAT {stats.mat:.2f}, "
+          f"drafting {stats.drafting_s:.3f} s, verifying {stats.verifying_s:.3f} s, stop: {result.stop_reason}",
+          file=sys.stderr)
+    if not lossless:
+        print(f"[{args.method}] LOSSY: relaxed verification, {stats.num_relaxed} tokens accepted by the relaxed rule; "
               "the output may differ from plain decoding", file=sys.stderr)
     return 0
 
 
-def draft_model_fallback(args: argparse.Namespace, target):
-    """ReSpec's fallback from ``--draft-model``: loaded like the target (dtype, device); its
-    tokenizer must be the target's, since draft ids go to the target unchanged."""
-    from specstore.runtime.drafters.model import ModelDrafter
-    from specstore.runtime.models import load_model
+def _resolve(args: argparse.Namespace):
+    """``(store, refs)``: the references of ``--datastore`` (a comma list routes per prompt),
+    each resolved in the store so that a wrong one fails before the model loads."""
+    from specstore.runtime.store import Store
 
-    if args.method != "respec":
-        raise SpecstoreError(f"--draft-model is ReSpec's fallback drafter; method '{args.method}' does not use one")
-    if args.draft_tokens < 1:
-        raise SpecstoreError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
-    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device)
-    if draft.info.tokenizer_hash != target.info.tokenizer_hash:
-        raise SpecstoreError(
-            f"--draft-model {args.draft_model}: its tokenizer differs from the target's "
-            f"(hash {draft.info.tokenizer_hash[:12]} vs {target.info.tokenizer_hash[:12]}); a draft model must share the tokenizer"
-        )
-    return ModelDrafter(draft.model, num_draft_tokens=args.draft_tokens)
+    if not args.datastore:
+        raise SpecstoreError(f"method '{args.method}' needs --datastore NAME[@VERSION|@TAG]")
+    refs = [r.strip() for r in args.datastore.split(",") if r.strip()]
+    if not refs:
+        raise SpecstoreError(f"--datastore {args.datastore!r} names no datastore")
+    store = Store(args.store)
+    for ref in refs:
+        store.resolve(ref)
+    return store, refs
 
 
-def respec_stats(drafter) -> dict:
-    """How ReSpec drafted: steps that retrieved, steps that fell back, and with what."""
-    fallback = getattr(drafter, "fallback", None)
-    return {
-        "retrieved_steps": int(getattr(drafter, "num_retrieved_steps", 0)),
-        "fallback_steps": int(getattr(drafter, "num_fallback_steps", 0)),
-        "fallback": getattr(fallback, "name", None),
-    }
+def _open(args: argparse.Namespace, store, refs: list[str], loaded, *, dense: bool):
+    """``(datastore, route)``: the one datastore named, or the one the router picks for the
+    prompt among several (route None when there was no choice)."""
+    from specstore.runtime.datastore import Datastore
 
+    device = next(loaded.model.parameters()).device
+    opened = [Datastore.open(store, ref, loaded.info, dense=dense, device=device) for ref in refs]
+    if len(opened) == 1:
+        return opened[0], None
+    from specstore.runtime.api import prompt_ids
+    from specstore.runtime.router import Router
 
-RESPEC_FLAGS = ("entropy_threshold", "score_threshold", "max_candidates", "length_factor", "relaxed", "relaxed_top_k", "relaxed_ratio")
-
-
-def respec_options(args: argparse.Namespace) -> dict:
-    """The respec thresholds given on the command line (others keep ReSpecConfig's defaults)."""
-    if args.method != "respec":
-        return {}
-    out = {k: getattr(args, k) for k in RESPEC_FLAGS if getattr(args, k, None) is not None}
-    if "relaxed" in out:
-        out["relaxed"] = out["relaxed"] == "on"
-    return out
+    route = Router(opened).route(loaded.model, prompt_ids(loaded.tokenizer, args.prompt), prompt_ids(loaded.tokenizer, ""))
+    datastore = opened[route.index]
+    if not args.json:
+        print(f"[route] {datastore.ref} ({', '.join(f'{r} {v:.3f}' for r, v in route.scores.items())})", file=sys.stderr)
+    return datastore, route

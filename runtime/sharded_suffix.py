@@ -78,8 +78,12 @@ class ShardedSuffixIndex:
             return None
         return self.find(list(context)[-best:])
 
-    def continuations(self, match: ShardedMatch, length: int, max_matches: int | None = None, *, spread: bool = False) -> np.ndarray:
-        """Rows as ``SuffixIndex.continuations``, merged across shards in sorted order."""
+    def continuations(
+        self, match: ShardedMatch, length: int, max_matches: int | None = None, *, spread: bool = False,
+        return_offsets: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Rows as ``SuffixIndex.continuations``, merged across shards in sorted order; with
+        ``return_offsets`` also each row's global stream offset."""
         total = match.count
         quotas = [None] * len(self.shards)
         if max_matches is not None and spread and total > max_matches:
@@ -87,20 +91,25 @@ class ShardedSuffixIndex:
             cuts = np.zeros(len(match.parts) + 1, dtype=np.int64)
             cuts[1:] = np.cumsum([p.count for p in match.parts]) * max_matches // total
             quotas = np.diff(cuts).tolist()
-        rows = []
-        for shard, part, quota in zip(self.shards, match.parts, quotas, strict=True):
+        rows, offsets = [], []
+        for shard, part, quota, base in zip(self.shards, match.parts, quotas, self.offsets, strict=True):
             if part.count == 0 or quota == 0:
                 continue
             take = quota if quota is not None else max_matches
-            rows.append(shard.continuations(part, length, take, spread=spread and quota is not None))
+            shard_rows, shard_offsets = shard.continuations(part, length, take, spread=spread and quota is not None,
+                                                            return_offsets=True)
+            rows.append(shard_rows)
+            offsets.append(shard_offsets + base)
         if not rows:
-            return np.zeros((0, max(length, 0)), dtype=np.int32)
-        merged = np.concatenate(rows)
+            merged, where = np.zeros((0, max(length, 0)), dtype=np.int32), np.zeros(0, dtype=np.int64)
+        else:
+            merged, where = np.concatenate(rows), np.concatenate(offsets)
         if merged.shape[1]:
-            merged = merged[np.lexsort(merged.T[::-1])]
+            order = np.lexsort(merged.T[::-1])
+            merged, where = merged[order], where[order]
         if max_matches is not None and not (spread and total > max_matches):
-            merged = merged[:max_matches]
-        return merged
+            merged, where = merged[:max_matches], where[:max_matches]
+        return (merged, where) if return_offsets else merged
 
 
 def load_suffix_index(folder: Path) -> SuffixIndex | ShardedSuffixIndex:

@@ -97,7 +97,7 @@ class SuffixIndex:
         self._first = np.asarray(stream)[np.asarray(sa)] if self._n else np.zeros(0, dtype=np.int32)
         # second token of every suffix, in SA order (-2 past the end): within a first-token
         # interval it is sorted, so depth 1 is one searchsorted in C, not a Python bisection
-        # over memory-mapped entries (that bisection made REST's match ~6 ms per step at 2M tokens)
+        # over memory-mapped entries (milliseconds per step at millions of tokens)
         if self._n:
             nxt = np.asarray(sa, dtype=np.int64) + 1
             self._second = np.where(nxt < self._n, np.asarray(stream)[np.minimum(nxt, self._n - 1)], -2).astype(np.int32)
@@ -179,12 +179,14 @@ class SuffixIndex:
         return best
 
     def continuations(
-        self, match: Match, length: int, max_matches: int | None = None, *, spread: bool = False
-    ) -> np.ndarray:
+        self, match: Match, length: int, max_matches: int | None = None, *, spread: bool = False,
+        return_offsets: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Tokens following each occurrence of a match: int32 ``[num_matches, length]``, padded with
         SEPARATOR from the end of the occurrence's document on. Occurrences are taken in SA order,
         so the rows come out sorted. With ``max_matches``, the first ones, or with ``spread`` ones
-        evenly spaced over the whole interval (a deterministic sample that keeps frequencies)."""
+        evenly spaced over the whole interval (a deterministic sample that keeps frequencies).
+        With ``return_offsets``, also the stream offset where each row starts (int64 [num_matches])."""
         if max_matches is not None and spread and match.count > max_matches:
             ranks = match.lo + (np.arange(max_matches, dtype=np.int64) * match.count) // max_matches
             starts = np.asarray(self.sa[ranks], dtype=np.int64) + match.length
@@ -192,11 +194,12 @@ class SuffixIndex:
             hi = match.hi if max_matches is None else min(match.hi, match.lo + max_matches)
             starts = np.asarray(self.sa[match.lo : hi], dtype=np.int64) + match.length
         if starts.size == 0 or length <= 0:
-            return np.zeros((starts.size, max(length, 0)), dtype=np.int32)
+            out = np.zeros((starts.size, max(length, 0)), dtype=np.int32)
+            return (out, starts) if return_offsets else out
         idx = starts[:, None] + np.arange(length)[None, :]
         inside = idx < self._n
         out = np.asarray(self.stream)[np.minimum(idx, self._n - 1)].astype(np.int32)
         out[~inside] = SEPARATOR
         ended = np.cumsum(out == SEPARATOR, axis=1) > 0  # everything from the first separator on
         out[ended] = SEPARATOR
-        return out
+        return (out, starts) if return_offsets else out

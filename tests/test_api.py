@@ -80,5 +80,11 @@ def test_custom_generate_through_model_generate(family):
 
 
 def test_public_names_are_reexported():
-    assert rt.generate is not None and rt.make_drafter("ar").name == "ar"
+    from specstore.runtime import api
+    from specstore.runtime.drafters import registry
+
+    assert rt.generate is api.generate and rt.custom_generate is api.custom_generate
+    assert rt.make_drafter is registry.make_drafter and rt.make_drafter("ar").name == "ar"
     assert {"generate", "custom_generate", "GenerateResult", "make_drafter"} <= set(rt.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        rt.nope  # noqa: B018

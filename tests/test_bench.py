@@ -1,6 +1,6 @@
 """The bench runner and the simulator on a small pipeline-built datastore with a tiny model:
-the result has its contract fields, lossless methods are identical to ar in float32, and the
-simulator reproduces the bench's MAT exactly."""
+the result has its contract fields, lossless methods are identical to ar in float32, the
+simulator reproduces the bench's MAT exactly, and both commands run end to end from the CLI."""
 
 import json
 
@@ -35,18 +35,17 @@ def bench_setup(tmp_path_factory):
     questions.write_text("".join(json.dumps({"question_id": i, "category": "a" if i % 2 else "b", "turns": [p, "More."]}) + "\n"
                                  for i, p in enumerate(PROMPTS)))
     result = run_bench(store=str(folder / "store"), datastore="code", questions=str(questions),
-                       methods=["pld", "rest", "dresd", "hf"], turns=2, max_new_tokens=24, model=str(model),
+                       methods=["pld", "rest", "dresd", "respec", "hf"], turns=2, max_new_tokens=24, model=str(model),
                        dtype="float32", device="cpu", progress=False)
     return folder, model, loaded, result
 
 
 def test_bench_result_contract(bench_setup, tmp_path):
     folder, _, _, result = bench_setup
-    assert list(result.methods) == ["ar", "pld", "rest", "dresd", "hf"]
+    assert list(result.methods) == ["ar", "pld", "rest", "dresd", "respec", "hf"]
     for name, m in result.methods.items():
-        for field in ("mat", "acceptance_rate", "tokens_per_s", "speedup_vs_ar", "drafting_share", "identical_to_ar",
-                      "lossless", "per_category"):
-            assert hasattr(m, field), field
+        assert m.mat >= 1.0 and 0.0 <= m.acceptance_rate <= 1.0 and m.tokens_per_s > 0 and m.speedup_vs_ar > 0
+        assert 0.0 <= m.drafting_share < 1.0 and m.lossless is True
         assert set(m.per_category) == {"a", "b"}
         assert m.num_prompts == len(PROMPTS) * 2  # both turns
         if name != "ar":
@@ -65,12 +64,62 @@ def test_simulator_reproduces_bench_mat(bench_setup):
     refs = references_from(result)
     assert len(refs) == len(PROMPTS) * 2
     ds = Datastore.open(folder / "store", "code", loaded.info)
-    for method in ("pld", "rest", "dresd"):
+    for method in ("pld", "rest", "dresd", "respec"):
         sims = simulate(lambda m=method: make_drafter(m, datastore=ds), refs, result.max_new_tokens, loaded.model)
         recs = [r for r in result.prompts if r.method == method]
         assert [s.accepted_per_step for s in sims] == [r.accepted_per_step for r in recs], method
         sim_mat = sum(s.num_tokens for s in sims) / sum(s.steps for s in sims)
         assert sim_mat == pytest.approx(result.methods[method].mat, abs=1e-12), method
+
+
+def test_bench_command_end_to_end(bench_setup, tmp_path, capsys):
+    from specstore.runtime.bench.report import load_result
+    from specstore.runtime.cli import main
+
+    folder, model, _, _ = bench_setup
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--store", str(folder / "store"), "--datastore", "code", "--questions", str(folder / "questions.jsonl"),
+                 "--methods", "pld,rest,respec", "--limit", "2", "--max-new-tokens", "12", "--model", str(model),
+                 "--dtype", "float32", "--device", "cpu", "--option", "rest.max_nodes=8", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "| respec |" in printed and f"wrote {out}" in printed
+    result = load_result(str(out))
+    assert list(result.methods) == ["ar", "pld", "rest", "respec"] and result.datastore == "code@1"
+    assert all(m.identical_to_ar for name, m in result.methods.items() if name != "ar")
+    assert all(m.num_prompts == 2 for m in result.methods.values()) and result.max_new_tokens == 12
+    assert all(r.num_drafted <= 8 * (r.steps - 1) for r in result.prompts if r.method == "rest")  # --option reached rest
+    # a method that needs a datastore, without one: one clear error line, before any model loads
+    code = main(["bench", "--store", str(folder / "store"), "--questions", str(folder / "questions.jsonl"),
+                 "--methods", "rest", "--model", str(model)])
+    assert code == 2 and "methods rest need --datastore" in capsys.readouterr().err
+
+
+def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
+    from specstore.runtime.cli import main
+
+    folder, model, _, result = bench_setup
+    refs = tmp_path / "refs.json"
+    refs.write_text(result.model_dump_json())
+    code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
+                 "--methods", "pld,rest,respec", "--sweep", "rest.max_nodes=4,64", "--sweep", "respec.max_candidates=1,3",
+                 "--option", "pld.num_draft_tokens=10", "--model", str(model), "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["method"], r["options"]) for r in rows] == [
+        ("pld", {"num_draft_tokens": 10}), ("rest", {"max_nodes": 4}), ("rest", {"max_nodes": 64}),
+        ("respec", {"max_candidates": 1}), ("respec", {"max_candidates": 3})]
+    mat = {(r["method"], json.dumps(r["options"])): r["mat"] for r in rows}
+    # the settings the bench ran with (the defaults) reproduce its MAT exactly
+    assert mat[("pld", '{"num_draft_tokens": 10}')] == pytest.approx(result.methods["pld"].mat, abs=1e-12)
+    assert mat[("rest", '{"max_nodes": 64}')] == pytest.approx(result.methods["rest"].mat, abs=1e-12)
+    assert mat[("respec", '{"max_candidates": 3}')] == pytest.approx(result.methods["respec"].mat, abs=1e-12)
+    assert all(r["num_prompts"] == len(PROMPTS) * 2 and r["drafted_per_step"] >= 0 for r in rows)
+    assert rows[1]["drafted_per_step"] <= 4 < rows[2]["drafted_per_step"]  # the swept option reached the drafter
+    code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
+                 "--methods", "pld", "--sweep", "pld.num_draft_tokens=2,4"])
+    table = capsys.readouterr().out
+    assert code == 0 and table.count("| pld |") == 2
 
 
 def test_option_parsing_and_errors():

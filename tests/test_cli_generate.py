@@ -128,3 +128,10 @@ def test_respec_with_a_draft_model_fallback(capsys, tiny, tmp_path):
     assert "tokenizer differs from the target's" in error_line(code, err)
     code, _, err = run(capsys, folder, "--method", "rest", "--datastore", "code", "--draft-model", str(draft))
     assert "does not use one" in error_line(code, err)
+
+
+def test_another_methods_option_is_one_error_line_before_the_model_loads(capsys, tiny):
+    folder, _ = tiny
+    code = main(["generate", "--store", str(folder / "store"), "--model", str(folder / "missing-model"), "--prompt", "x",
+                 "--method", "pld", "--entropy-threshold", "1.0"])
+    assert "--entropy-threshold is an option of method 'respec'" in error_line(code, capsys.readouterr().err)

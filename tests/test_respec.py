@@ -101,14 +101,22 @@ def test_observe_credits_each_candidate_with_its_accepted_prefix():
     assert drafter.scores == {("context", -3): 0.5 + 1.5, ("suffix", -9): 0.5 + 1.0, ("dense", 4): 0.5}
 
 
-def test_candidates_under_the_threshold_never_reach_the_verifier(monkeypatch):
-    import specstore.runtime.drafters.respec as respec
+class FixedPool:
+    """A candidate pool that always offers copies of the same candidates."""
 
+    def __init__(self, candidates):
+        self.candidates = candidates
+
+    def gather(self, state, length):
+        return [Candidate(c.key, list(c.tokens)) for c in self.candidates]
+
+
+def test_candidates_under_the_threshold_never_reach_the_verifier():
     pool = [Candidate(("context", -1), [10, 11]), Candidate(("suffix", -2), [12, 13]),
             Candidate(("dense", -3), [14, 15]), Candidate(("dense", -4), [16])]
-    monkeypatch.setattr(respec, "gather", lambda *a: list(pool))
     fallback = StubDrafter()
     drafter = ReSpecDrafter(None, ReSpecConfig(score_threshold=1.0, entropy_threshold=math.inf, max_candidates=2), fallback)
+    drafter.pool = FixedPool(pool)
     drafter.scores = {("context", -1): 0.2, ("suffix", -2): 3.0, ("dense", -3): 0.99, ("dense", -4): 1.0}
     state = DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8)
     tree = drafter.propose(state)
@@ -119,12 +127,10 @@ def test_candidates_under_the_threshold_never_reach_the_verifier(monkeypatch):
     assert tree.tokens.tolist() == [7, 8] and fallback.calls == 1 and tree.node_data["retrieved"].tolist() == [False, False]
 
 
-def test_draft_length_follows_the_score(monkeypatch):
-    import specstore.runtime.drafters.respec as respec
-
-    pool = [Candidate(("suffix", -1), list(range(10, 20))), Candidate(("dense", -2), list(range(20, 30)))]
-    monkeypatch.setattr(respec, "gather", lambda *a: [Candidate(c.key, list(c.tokens)) for c in pool])
+def test_draft_length_follows_the_score():
+    pool = FixedPool([Candidate(("suffix", -1), list(range(10, 20))), Candidate(("dense", -2), list(range(20, 30)))])
     drafter = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=2.0, draft_length=8), StubDrafter())
+    drafter.pool = pool
     drafter.scores = {("suffix", -1): 0.6, ("dense", -2): 2.2}
     assert drafter.draft_length_for(("suffix", -1), 8) == 3 and drafter.draft_length_for(("dense", -2), 8) == 6
     assert drafter.draft_length_for(("new", 0), 8) == 3  # prior score 1: ceil(2) + 1
@@ -135,6 +141,7 @@ def test_draft_length_follows_the_score(monkeypatch):
     paths = [tree.tokens[nodes].tolist() for nodes in tree.paths]
     assert paths == [list(range(20, 26)), list(range(10, 13))]  # best score first, each cut to its length
     off = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=0.0, draft_length=8), StubDrafter())
+    off.pool = pool
     tree = off.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8))
     assert sorted(len(n) for n in tree.paths) == [10, 10]  # 0: candidates as gathered (gather cuts to draft_length)
     with pytest.raises(ValueError, match="length_factor"):
@@ -162,6 +169,44 @@ def test_respec_greedy_output_is_identical_to_ar_and_accepts(own, options):
     assert min(mats) > 1.5
     if options:  # the tiny model's entropy is high: only an infinite threshold always retrieves
         assert retrieved > 0 and drafter.scores  # feedback reached the EMA table
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The tiny model's own answers built into a datastore by the pipeline, its suffix array in
+    shards (``--sa-shard-tokens``), with the plain greedy outputs."""
+    import json
+
+    from specstore.pipelines.build import build
+    from specstore.runtime.models import load_model
+    from specstore.runtime.sharded_suffix import ShardedSuffixIndex
+    from tests.datastore_helpers import PROMPTS
+    from tests.helpers import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("respec-shards")
+    model = make_tiny_model(folder / "model", seed=3)
+    loaded = load_model(str(model), dtype="float32", device="cpu")
+    ar = {p: generate(loaded.model, loaded.tokenizer, p, "ar", max_new_tokens=24) for p in PROMPTS}
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"instruction": p, "output": r.text}) + "\n" for p, r in ar.items()))
+    build(folder / "store", "own", [str(folder / "corpus.jsonl")], model=str(model), pca_dims=8, continuation_length=6,
+          sa_shard_tokens=60, progress=False)
+    ds = Datastore.open(folder / "store", "own", loaded.info)
+    assert isinstance(ds.suffix, ShardedSuffixIndex) and len(ds.suffix.shards) > 1
+    return ds, loaded, {p: r.token_ids for p, r in ar.items()}
+
+
+def test_respec_on_a_sharded_datastore_is_identical_to_ar(sharded):
+    ds, loaded, ar = sharded
+    for options in ({}, {"entropy_threshold": math.inf, "num_dense": 0}):
+        drafter = make_drafter("respec", ds, **options)
+        suffix_keys, mats = set(), []
+        for prompt, expected in ar.items():
+            result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected))
+            assert result.token_ids == expected, (options, prompt)
+            suffix_keys |= {k for k in drafter.scores if k[0] == "suffix"}
+            mats.append(result.stats.mat)
+        assert max(mats) > 1.5
+    assert suffix_keys  # the sharded suffix-array source drafted (and was scored)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -288,13 +333,21 @@ def test_relaxed_off_verifier_result_has_no_flags(own):
 
 def test_cli_generate_parser_has_respec_options():
     from specstore.runtime.cli import _build_parser
-    from specstore.runtime.cli_generate import respec_options
+    from specstore.runtime.drafters import registry
+    from specstore.runtime.errors import SpecstoreError
 
     args = _build_parser().parse_args(["generate", "--store", "s", "--method", "respec", "--prompt", "x",
                                        "--entropy-threshold", "1.5", "--relaxed", "on", "--relaxed-ratio", "0.2"])
-    assert respec_options(args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2}
+    assert registry.options_from_args("respec", args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2}
+    registry.check_cli_options("respec", args)
+    with pytest.raises(SpecstoreError, match="--entropy-threshold is an option of method 'respec'"):
+        registry.check_cli_options("rest", args)
     args = _build_parser().parse_args(["generate", "--store", "s", "--method", "rest", "--prompt", "x"])
-    assert respec_options(args) == {}
+    assert registry.options_from_args("rest", args) == {} and registry.options_from_args("respec", args) == {}
+    registry.check_cli_options("rest", args)
+    args = _build_parser().parse_args(["generate", "--store", "s", "--method", "respec", "--prompt", "x", "--draft-tokens", "2"])
+    with pytest.raises(SpecstoreError, match="give --draft-model too"):
+        registry.options_from_args("respec", args)
 
 
 def test_unknown_option_and_missing_datastore_are_one_line_errors(own):

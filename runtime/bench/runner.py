@@ -26,14 +26,12 @@ from specstore.runtime.api import generate, prompt_ids
 from specstore.runtime.bench.metrics import first_difference, summarise
 from specstore.runtime.bench.questions import Question, load_questions
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.drafters.registry import datastore_methods, make_drafter, needs_dense
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
 from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord
 
-HF_METHODS = ("hf", "hf-pld")
-NEEDS_DATASTORE = ("rest", "dresd", "respec", "suffixdecoding")
-LOSSY_OPTIONS = ("relaxed",)
+HF_METHODS = ("hf", "hf-pld")  # transformers' own baselines, not drafters
 
 
 def parse_options(items: list[str]) -> dict[str, dict]:
@@ -147,12 +145,13 @@ def run_bench(*, store: str, datastore: str | None, questions: str, methods: lis
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
     if not qs:
         raise SpecstoreError(f"no questions selected from {questions}")
+    with_datastore = datastore_methods(methods)
+    if with_datastore and datastore is None:
+        raise SpecstoreError(f"methods {', '.join(with_datastore)} need --datastore")
     lm = load_model(model, dtype=dtype, device=device)
     ds = None
-    if any(m in NEEDS_DATASTORE for m in methods):
-        if datastore is None:
-            raise SpecstoreError(f"methods {', '.join(m for m in methods if m in NEEDS_DATASTORE)} need --datastore")
-        ds = Datastore.open(store, datastore, model_info=lm.info, dense=any(m in ("dresd", "respec") for m in methods),
+    if with_datastore:
+        ds = Datastore.open(store, datastore, model_info=lm.info, dense=needs_dense(methods),
                             device=next(lm.model.parameters()).device)
     drafters = {m: TimedDrafter(make_drafter(m, datastore=ds, **options.get(m, {}))) for m in methods if m not in HF_METHODS}
     lossless = {m: (True if m in HF_METHODS else bool(getattr(drafters[m], "lossless", True))) for m in methods}

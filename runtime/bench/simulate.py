@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specstore.runtime.bench.runner import NEEDS_DATASTORE, parse_options
+from specstore.runtime.bench.runner import parse_options
 from specstore.runtime.decode import DecodeStats, context_limit, decode
-from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.drafters.registry import datastore_methods, make_drafter, needs_dense, needs_states
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.sampling import children_lists
@@ -139,13 +139,13 @@ def run_simulate_command(args) -> int:
     base = parse_options(args.option)
     sweeps = {m: {k: [_value(x) for x in str(v).split(",")] if not isinstance(v, list) else v for k, v in o.items()}
               for m, o in parse_options(args.sweep).items()}
-    need_model = any(m in ("dresd", "respec") for m in methods)
-    lm = load_model(args.model, dtype="float32") if (need_model or any(m in NEEDS_DATASTORE for m in methods)) else None
+    need_states, with_datastore = needs_states(methods), datastore_methods(methods)
+    if with_datastore and args.datastore is None:
+        raise SpecstoreError(f"methods {', '.join(with_datastore)} need --datastore")
+    lm = load_model(args.model, dtype="float32") if (need_states or with_datastore) else None
     ds = None
-    if any(m in NEEDS_DATASTORE for m in methods):
-        if args.datastore is None:
-            raise SpecstoreError("rest, dresd and respec need --datastore")
-        ds = Datastore.open(args.store, args.datastore, model_info=lm.info, dense=need_model)
+    if with_datastore:
+        ds = Datastore.open(args.store, args.datastore, model_info=lm.info, dense=needs_dense(methods))
     rows = []
     for m in methods:
         grid = sweeps.get(m, {})
@@ -154,7 +154,7 @@ def run_simulate_command(args) -> int:
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
             sims = simulate(lambda m=m, opts=opts: make_drafter(m, datastore=ds, **opts), refs, bench.max_new_tokens,
-                            lm.model if need_model else None, context_limit(lm.model) if lm is not None else None)
+                            lm.model if need_states else None, context_limit(lm.model) if lm is not None else None)
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
             drafted = sum(s.num_drafted for s in sims)
             rows.append({"method": m, "options": opts, "mat": tokens / steps if steps else 0.0,

@@ -1,37 +1,32 @@
 """Prompt lookup decoding: draft by matching the context's own last tokens earlier in it.
 
-Tries the last ``max_ngram`` tokens first, then shorter n-grams down to ``min_ngram``; the most
-recent earlier occurrence with a full continuation wins and the tokens that followed it (at most ``num_draft_tokens``,
-and never more than the decode budget) become one chain. Deterministic, model-free, no state
-between steps.
+A thin drafter over retrieval.py's context source: the longest suffix n-gram (``max_ngram``
+down to ``min_ngram`` tokens) found earlier in the context; the most recent occurrence with a
+full continuation wins (else the earliest, whose continuation is the longest: in a repetitive
+stream the most recent occurrence is the previous token and would draft only one), and the
+tokens that followed it (at most ``num_draft_tokens``, and never more than the decode budget)
+become one chain. Deterministic, model-free, no state between steps.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specstore.runtime.drafters.base import DecodeState
+from specstore.runtime.retrieval import context_matches
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
 
 
 def lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, num_draft_tokens: int) -> list[int]:
-    """Continuation of the most recent earlier match of the longest matching suffix n-gram."""
-    size = len(tokens)
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        # windows starting at 0..size-n-1: each has at least one following token, and the
-        # suffix itself (starting at size-n) is excluded
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
-        if len(hits):
-            # the most recent match that still has a full continuation, else the earliest
-            # (longest continuation): in a repetitive stream the most recent match is the
-            # previous token and would draft only one token
-            full = hits[hits + n + num_draft_tokens <= size]
-            start = int(full[-1] if len(full) else hits[0]) + n
-            return tokens[start : start + num_draft_tokens].tolist()
-    return []
+    """Continuation of the most recent earlier match (with a full continuation) of the longest
+    matching suffix n-gram."""
+    _, starts = context_matches(tokens, max_ngram, min_ngram)
+    if not len(starts):
+        return []
+    full = starts[starts + num_draft_tokens <= len(tokens)]
+    start = int(full[-1] if len(full) else starts[0])
+    return tokens[start : start + num_draft_tokens].tolist()
 
 
 class PromptLookupDrafter:

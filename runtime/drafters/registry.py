@@ -1,46 +1,117 @@
-"""Drafter registry: method name -> factory, so the CLI, the API and the benchmarks build
-drafters one way.
+"""Drafter registry: method name -> how to build it and what it needs, declared once for the
+CLI, the API, the bench and the simulator.
 
-A factory is ``create(datastore=None, **options) -> Drafter`` in the drafter's own module,
-named here as ``"module:function"`` and imported only when asked for (a datastore-backed
-drafter may pull in LanceDB). To add a method, add one line to ``FACTORIES`` (or call
-``register``). A factory that needs a datastore raises SpecstoreError when given none.
+A method is a ``Method``: its factory ``create(datastore=None, **options) -> Drafter`` in the
+drafter's own module, named as ``"module:function"`` and imported only when asked for (a
+datastore-backed drafter may pull in LanceDB); what it reads (a datastore's suffix array, its
+dense index, the target's hidden state or logits); and optionally a light module (no torch)
+with its ``generate`` command-line options. To add a method, add one entry to ``METHODS`` (or
+call ``register``). A factory that needs a datastore raises SpecstoreError when given none.
+
+A CLI module defines ``add_cli_options(parser)`` (an argument group), ``given(args) -> list of
+flags the user set`` and ``options_from_args(args, target) -> factory keyword arguments``
+(``target``: the loaded target model, for options that load models beside it).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from specstore.runtime.drafters.base import Drafter
 from specstore.runtime.errors import SpecstoreError
 
-FACTORIES: dict[str, str | Callable[..., Drafter]] = {
-    "ar": "specstore.runtime.drafters.ar:create",
-    "pld": "specstore.runtime.drafters.pld:create",
-    "rest": "specstore.runtime.drafters.rest:create",  # retrieval side (issue 3): suffix array
-    "dresd": "specstore.runtime.drafters.dresd:create",  # retrieval side (issue 3): dense index
-    "respec": "specstore.runtime.drafters.respec:create",  # issue 4: entropy trigger, EMA-ranked hybrid pool
+if TYPE_CHECKING:
+    from specstore.runtime.drafters.base import Drafter
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    factory: str | Callable[..., Drafter]
+    suffix: bool = False  # reads a datastore's suffix array
+    dense: bool = False  # reads its dense index (opening then loads the tokens table)
+    states: bool = False  # reads the target's hidden state or logits (the simulator computes them)
+    cli: str | None = None  # module with the method's own `generate` options
+
+    @property
+    def datastore(self) -> bool:
+        return self.suffix or self.dense
+
+
+_D = "specstore.runtime.drafters."
+METHODS: dict[str, Method] = {
+    "ar": Method(_D + "ar:create"),
+    "pld": Method(_D + "pld:create"),
+    "rest": Method(_D + "rest:create", suffix=True),
+    "dresd": Method(_D + "dresd:create", dense=True, states=True),
+    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli"),
     # reference row, not a specstore method: needs the optional arctic-inference build
-    "suffixdecoding": "specstore.runtime.drafters.suffixdecoding:create",
+    "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
 
 
-def register(method: str, factory: str | Callable[..., Drafter]) -> None:
-    """Add or replace a method (``"module:function"`` or a callable)."""
-    FACTORIES[method] = factory
+def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
+             states: bool = False, cli: str | None = None) -> None:
+    """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
+    METHODS[method] = Method(factory, suffix, dense, states, cli)
 
 
 def available() -> list[str]:
-    return sorted(FACTORIES)
+    return sorted(METHODS)
+
+
+def method_info(method: str) -> Method:
+    found = METHODS.get(method)
+    if found is None:
+        raise SpecstoreError(f"unknown drafting method {method!r}: choose one of {', '.join(available())}")
+    return found
+
+
+def datastore_methods(methods: Iterable[str]) -> list[str]:
+    """The registered methods among ``methods`` that read a datastore, in order."""
+    return [m for m in methods if m in METHODS and METHODS[m].datastore]
+
+
+def needs_dense(methods: Iterable[str]) -> bool:
+    """True when any registered method among ``methods`` reads the dense index."""
+    return any(m in METHODS and METHODS[m].dense for m in methods)
+
+
+def needs_states(methods: Iterable[str]) -> bool:
+    """True when any registered method among ``methods`` reads the target's hidden state or logits."""
+    return any(m in METHODS and METHODS[m].states for m in methods)
 
 
 def make_drafter(method: str, datastore=None, **options) -> Drafter:
     """Build the drafter for ``method`` (ar, pld, and whatever else is registered)."""
-    factory = FACTORIES.get(method)
-    if factory is None:
-        raise SpecstoreError(f"unknown drafting method {method!r}: choose one of {', '.join(available())}")
+    factory = method_info(method).factory
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
     return factory(datastore=datastore, **options)
+
+
+def _cli_modules() -> list[tuple[str, ModuleType]]:
+    return [(m, importlib.import_module(spec.cli)) for m, spec in METHODS.items() if spec.cli]
+
+
+def add_cli_options(parser: argparse.ArgumentParser) -> None:
+    """Every method's own ``generate`` options, one argument group each."""
+    for _, module in _cli_modules():
+        module.add_cli_options(parser)
+
+
+def check_cli_options(method: str, args: argparse.Namespace) -> None:
+    """Raise SpecstoreError naming a flag given for another method than ``method``."""
+    for owner, module in _cli_modules():
+        if owner != method and (flags := module.given(args)):
+            raise SpecstoreError(f"{flags[0]} is an option of method '{owner}': method '{method}' does not use one")
+
+
+def options_from_args(method: str, args: argparse.Namespace, target=None) -> dict:
+    """``method``'s factory options from its own command-line flags (none without a CLI module)."""
+    cli = method_info(method).cli
+    return importlib.import_module(cli).options_from_args(args, target) if cli else {}

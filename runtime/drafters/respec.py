@@ -1,8 +1,8 @@
 """ReSpec drafter: retrieve only when the target is confident, draft only candidates whose
 feedback score earns it, and optionally accept retrieved drafts with a relaxed rule.
 
-Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the relaxed rule
-(relaxed.py):
+Owns the ReSpec algorithm on top of the hybrid candidate pool (respec_pool.py) and the relaxed
+rule (relaxed.py):
 
 1. Trigger. ``H = entropy(softmax(state.last_logits))`` in nats (the distribution that chose
    the pending token, already computed by the last verification). Retrieve when
@@ -22,47 +22,13 @@ Owns the ReSpec algorithm on top of the hybrid pool (respec_pool.py) and the rel
    look-ahead rule (relaxed.py), which the drafter exposes as ``acceptance`` for the decode loop
    to pass to the verifier; model-made fallback drafts stay strict; ``lossless`` is False.
 
-Defaults (``entropy_threshold`` 4 nats, ``max_candidates`` 3, ``length_factor`` 2,
-``score_threshold`` 0.5) were chosen with ``benchmarks/reference_compare.py --split tune``:
-model-free replay of the default model's float32 greedy answers (128 tokens) to the *tune*
-questions (CodeAlpaca records 1960-1989, MT-Bench questions 5-8 of each category; the *eval*
-split reported in BENCHMARKS.md played no part in the choice) on four datastores: code-full (0.93M tokens),
-chat-large (1.04M), code-ood (69k) and chat-ood (100k). Cells: MAT / draft nodes per step /
-estimated CPU speedup = MAT / verification cost of that many nodes (FINDINGS: 1.1x a 1-token
-step at 8 nodes, 1.3x at 16, 2.4x at 64, linear in between):
+Defaults: ``entropy_threshold`` 4 nats, ``max_candidates`` 3, ``length_factor`` 2,
+``score_threshold`` 0.5, chosen by model-free replay of greedy references
+(``benchmarks/reference_compare.py --split tune``, ``benchmarks/respec_sweep.py``); the relaxed
+rule's ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3 are measured by
+``benchmarks/respec_relaxed.py``. Figures: BENCHMARKS.md.
 
-| entropy / candidates / length_factor | code-full | chat-large | code-ood | chat-ood |
-|---|---|---|---|---|
-| 0.75 / 2 / 0 (previous defaults) | 1.85 / 8.2 / 1.67 | 1.56 / 6.6 / 1.45 | 1.66 / 8.0 / 1.51 | 1.51 / 6.5 / 1.40 |
-| inf / 2 / 0 | 2.19 / 13.7 / 1.77 | 1.79 / 14.2 / 1.42 | 1.80 / 12.8 / 1.48 | 1.63 / 12.8 / 1.33 |
-| inf / 3 / 0 | 2.32 / 19.3 / 1.69 | 1.87 / 20.3 / 1.34 | 1.86 / 17.9 / 1.39 | 1.71 / 18.1 / 1.27 |
-| 0.75 / 3 / 2 | - | - | 1.66 / 5.2 / 1.56 | 1.52 / 4.7 / 1.43 |
-| 1.5 / 3 / 2 | 1.99 / 6.0 / 1.85 | 1.63 / 5.4 / 1.53 | - | - |
-| 2.5 / 3 / 2 | 2.08 / 6.6 / 1.92 | 1.70 / 6.2 / 1.57 | - | - |
-| **4 / 3 / 2 (defaults)** | 2.14 / 7.1 / 1.97 | 1.78 / 7.1 / 1.63 | - | - |
-| inf / 3 / 2 | 2.16 / 7.2 / 1.98 | 1.81 / 7.5 / 1.66 | 1.79 / 6.8 / 1.65 | 1.67 / 6.9 / 1.53 |
-| inf / 3 / 3 | 2.23 / 9.7 / 1.96 | 1.83 / 10.2 / 1.58 | - | - |
-| SuffixDecoding, for reference | 1.77 / 3.0 / 1.71 | 1.60 / 2.3 / 1.55 | 1.57 / 2.0 / 1.53 | 1.50 / 1.8 / 1.47 |
-
-With a fixed draft length, retrieving more often raised MAT but grew the tree faster (the
-previous defaults came from that trade-off on a 37k-token datastore). Letting each candidate
-draft only as far as its score has earned (``length_factor``) keeps trees at ~7 nodes, and then
-retrieving at almost every step is best on every datastore: the estimated speedup rises with the
-entropy threshold up to ~4 nats and is flat beyond (inf is within 1.5%). 4 nats keeps the
-trigger for near-uniform steps. ``score_threshold`` 0, 0.3 and 0.5 gave identical results in the
-earlier sweep (``benchmarks/respec_sweep.py``). ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3
-were not swept (relaxed acceptance cannot be replayed without the target's logits off the
-reference); see ``benchmarks/respec_relaxed.py`` for their measured effect.
-
-The figures below were measured with the previous defaults (0.75 / 2 / 0):
-
-Measured end to end (``specstore bench``, same datastore, CodeAlpaca questions 1900-1909, 128
-tokens, CPU, one thread): bfloat16 MAT / speedup over ar: pld 1.41 / 1.21x, rest 1.30 / 1.08x,
-dresd 1.55 / 1.00x, respec 1.68 / 1.58x (7.6 draft nodes per step; dresd drafts 45). float32:
-every method identical to ar; MAT pld 1.48, rest 1.35, dresd 1.63, respec 1.62, but all slower
-than ar (respec 0.93x): one-thread float32 verification of 4 tokens costs ~1.7x a 1-token step,
-bfloat16 ~1.2x. Relaxed on (float32, top-k 3, ratio 0.3): 18 relaxed tokens in 970, 3/10 outputs
-identical to ar, token similarity 0.77; top-k 2, ratio 0.5: 13 in 959, 4/10, 0.85.
+The command line's ReSpec options live in respec_cli.py.
 """
 
 from __future__ import annotations
@@ -75,7 +41,7 @@ import torch
 
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
-from specstore.runtime.drafters.respec_pool import PoolConfig, gather
+from specstore.runtime.drafters.respec_pool import CandidatePool, PoolConfig
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.relaxed import RelaxedRule
 from specstore.runtime.tree import DraftTree
@@ -122,6 +88,7 @@ class ReSpecDrafter:
     def __init__(self, datastore=None, config: ReSpecConfig | None = None, fallback: Drafter | None = None):
         self.datastore = datastore
         self.config = config or ReSpecConfig()
+        self.pool = CandidatePool(datastore, self.config.pool)
         self.fallback = fallback if fallback is not None else PromptLookupDrafter(num_draft_tokens=self.config.draft_length)
         self.lossless = not self.config.relaxed
         # the verifier's acceptance rule for this drafter's trees (None: the sampling rule)
@@ -160,7 +127,7 @@ class ReSpecDrafter:
         if length <= 0:
             return DraftTree.empty()
         if self.triggers(state):
-            candidates = gather(self.datastore, state, length, cfg.pool)
+            candidates = self.pool.gather(state, length)
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
@@ -178,6 +145,11 @@ class ReSpecDrafter:
         retrieved = getattr(self.fallback, "source", "lookup") not in MODEL_SOURCES
         tree.node_data["retrieved"] = np.full(len(tree), retrieved, dtype=bool)
         return tree
+
+    def stats(self) -> dict:
+        """How this request was drafted: steps that retrieved, steps that fell back, and with what."""
+        return {"retrieved_steps": self.num_retrieved_steps, "fallback_steps": self.num_fallback_steps,
+                "fallback": getattr(self.fallback, "name", None)}
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         keys = tree.meta.get("candidate_keys")

@@ -1,10 +1,11 @@
 """REST drafter: retrieval by exact suffix match in a datastore's suffix array.
 
-Owns the REST algorithm: find the longest suffix of the context (pending token included, spans
-from ``max_span`` down to ``min_span``) that occurs in the datastore, read what follows a capped,
-evenly spread sample of its occurrences, count every continuation prefix, and keep the most
-frequent prefixes as one token tree of at most ``max_nodes`` nodes. Deterministic. Does not own
-suffix-array search (suffix_array.py) or verification.
+Owns the REST algorithm over retrieval.py's suffix-array source: the longest suffix of the
+context (pending token included, spans from ``max_span`` down to ``min_span``) that occurs in
+the datastore, what follows a capped, evenly spread sample of its occurrences; every
+continuation prefix is counted and the most frequent prefixes become one token tree of at most
+``max_nodes`` nodes. Deterministic. Works on a plain or a sharded suffix index alike. Does not
+own the search (suffix_array.py, sharded_suffix.py) or verification.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.errors import SpecstoreError
-from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex
+from specstore.runtime.retrieval import SuffixSearch, suffix_sample
+from specstore.runtime.suffix_array import SEPARATOR
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
 
@@ -87,7 +89,7 @@ class RestDrafter:
     name = "rest"
     lossless = True
 
-    def __init__(self, index: SuffixIndex, config: RestConfig | None = None):
+    def __init__(self, index: SuffixSearch, config: RestConfig | None = None):
         self.index = index
         self.config = config or RestConfig()
         self.last_match_len = 0  # for stats and debugging: span of the last match (0 = none)
@@ -105,14 +107,14 @@ class RestDrafter:
         self.last_match_len = 0
         if length <= 0 or cfg.max_nodes <= 0:
             return DraftTree.empty()
-        match = self.index.longest_suffix_match(state.tokens, cfg.max_span, cfg.min_span)
-        if match is None:
+        sample = suffix_sample(self.index, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
+                               max_matches=cfg.max_matches)
+        if sample is None:
             return DraftTree.empty()
-        self.last_match_len = match.length
-        rows = self.index.continuations(match, length, cfg.max_matches, spread=True)
-        tree = prefix_tree(rows, cfg.max_nodes, cfg.min_count)
-        tree.meta["match_len"] = match.length
-        tree.meta["num_matches"] = match.count
+        self.last_match_len = sample.match_length
+        tree = prefix_tree(sample.rows, cfg.max_nodes, cfg.min_count)
+        tree.meta["match_len"] = sample.match_length
+        tree.meta["num_matches"] = sample.num_matches
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:

@@ -1,0 +1,171 @@
+"""Retrieval sources: what may follow the context, for every drafter that retrieves.
+
+Owns three sources, each answering with continuations (draft tokens after the pending token)
+and the offset in its source where each one starts:
+
+- context (prompt lookup): earlier occurrences, in the context itself, of its longest suffix
+  n-gram (``context_matches``, ``context_continuations``);
+- suffix array (REST): the longest context suffix found in a datastore's suffix index, plain
+  (suffix_array.py) or sharded (sharded_suffix.py) behind one interface (``SuffixSearch``), read
+  for a capped, evenly spread sample of its occurrences (``suffix_sample``) and, for a few
+  candidates, reduced to the distinct drafts most occurrences share (``ranked_drafts``);
+- dense (DReSD): the datastore positions nearest to the target's hidden state whose stored next
+  token is the pending token, and their stored continuations (``DenseSource``).
+
+pld, rest and dresd are thin drafters over one source each; ReSpec's pool combines all three.
+Does not own the search structures (suffix_array.py, sharded_suffix.py, dense.py), trees
+(drafters) or scores (ReSpec).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specstore.runtime.dense import DenseIndex, Neighbours
+from specstore.runtime.normaliser import Normaliser
+from specstore.runtime.suffix_array import SEPARATOR
+from specstore.schemas.tables import PAD_TOKEN
+
+
+@dataclass(slots=True)
+class Continuation:
+    """Draft tokens and where they start in their source: a context position, a stream offset
+    of the suffix index, or a datastore row + 1 (the row's own next token is the pending one)."""
+
+    offset: int
+    tokens: list[int]
+
+
+# --- context -------------------------------------------------------------------------------
+
+
+def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> tuple[int, np.ndarray]:
+    """``(n, starts)``: the longest ``n`` in ``[min_ngram, max_ngram]`` whose last ``n`` tokens
+    occur earlier in ``tokens`` with at least one token after them, and the offsets just after
+    each such occurrence, ascending. ``(0, [])`` when none does. ``tokens``: int [T]."""
+    size = len(tokens)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        # windows starting at 0..size-n-1: each has a following token, the suffix itself is excluded
+        windows = sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+        if len(hits):
+            return n, hits + n
+    return 0, np.zeros(0, dtype=np.int64)
+
+
+def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: int, min_ngram: int = 1) -> list[Continuation]:
+    """Up to ``num`` distinct continuations (at most ``length`` tokens) of the longest matching
+    suffix n-gram, the most recent occurrence first."""
+    _, starts = context_matches(tokens, max_ngram, min_ngram)
+    out, seen = [], set()
+    for start in starts[::-1].tolist():
+        draft = tokens[start : start + length].tolist()
+        if tuple(draft) in seen:
+            continue
+        seen.add(tuple(draft))
+        out.append(Continuation(start, draft))
+        if len(out) >= num:
+            break
+    return out
+
+
+# --- suffix array --------------------------------------------------------------------------
+
+
+class SuffixSearch(Protocol):
+    """What SuffixIndex and ShardedSuffixIndex both answer; matches have ``length`` and ``count``."""
+
+    def __len__(self) -> int: ...
+
+    def longest_suffix_match(self, context: Sequence[int], max_len: int = 16, min_len: int = 2): ...
+
+    def continuations(self, match, length: int, max_matches: int | None = None, *, spread: bool = False,
+                      return_offsets: bool = False): ...
+
+
+@dataclass(slots=True)
+class SuffixSample:
+    """What follows a sample of the occurrences of the longest matching context suffix.
+    ``rows``: int32 [M, length], SEPARATOR from a document's end on; ``offsets``: int64 [M],
+    the stream offset where each row starts."""
+
+    match_length: int
+    num_matches: int  # all occurrences, before sampling
+    rows: np.ndarray
+    offsets: np.ndarray
+
+
+def suffix_sample(index: SuffixSearch, context: Sequence[int], length: int, *, max_span: int, min_span: int,
+                  max_matches: int) -> SuffixSample | None:
+    """The longest suffix of ``context`` (``max_span`` down to ``min_span`` tokens) found in
+    ``index`` and ``length`` tokens after each of at most ``max_matches`` of its occurrences,
+    spread evenly over all of them; None when no suffix is found."""
+    match = index.longest_suffix_match(context, max_span, min_span)
+    if match is None or match.count == 0:
+        return None
+    rows, offsets = index.continuations(match, length, max_matches, spread=True, return_offsets=True)
+    return SuffixSample(match.length, match.count, rows, offsets)
+
+
+def ranked_drafts(sample: SuffixSample, num: int) -> list[Continuation]:
+    """The ``num`` distinct drafts of a sample, ranked by how many occurrences share their first
+    1, 2, 3 tokens (ties: the smaller token ids), each at its earliest offset."""
+    drafts = [tuple(r[r != SEPARATOR].tolist()) for r in sample.rows]
+    prefix = [Counter(d[:j] for d in drafts if len(d) >= j) for j in (1, 2, 3)]
+    first_start: dict[tuple, int] = {}
+    for d, s in zip(drafts, sample.offsets.tolist(), strict=True):
+        if d and (d not in first_start or s < first_start[d]):
+            first_start[d] = s
+    order = sorted(first_start, key=lambda d: (*(-c[d[:j]] for j, c in zip((1, 2, 3), prefix, strict=True)), d))
+    return [Continuation(first_start[d], list(d)) for d in order[:num]]
+
+
+# --- dense ---------------------------------------------------------------------------------
+
+
+class DenseSource:
+    """Dense neighbours of one datastore version: ``normaliser`` and ``index`` from the same
+    version (a query and the rows go through the same transform, which is what makes them
+    comparable); ``continuations``: int [N, L] rows aligned with the index, ``[:, 0]`` each
+    position's stored next token (the filter key), PAD_TOKEN after a document's end."""
+
+    def __init__(self, normaliser: Normaliser, index: DenseIndex, continuations: np.ndarray):
+        if len(index) != len(continuations):
+            raise ValueError(f"index has {len(index)} rows but continuations {len(continuations)}")
+        self.normaliser = normaliser
+        self.index = index
+        self.continuations = continuations
+        self.max_length = int(continuations.shape[1]) - 1  # tokens stored after the pending one
+
+    @classmethod
+    def from_datastore(cls, datastore) -> DenseSource:
+        """The datastore's dense source (loads its tokens table when not loaded yet)."""
+        index = datastore.load_dense()
+        return cls(datastore.normaliser, index, datastore.continuations)
+
+    def search(self, hidden: torch.Tensor, pending: int, k: int) -> Neighbours:
+        """The ``k`` nearest positions to ``hidden`` [H] (the target's state at the token before
+        ``pending``) among those whose stored next token is ``pending``, best first."""
+        if k <= 0 or self.index.block_size(pending) == 0:
+            return Neighbours(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+        query = self.normaliser.apply_torch(hidden.reshape(-1))
+        return self.index.search(query, k, next_token=pending)
+
+    def drafts(self, found: Neighbours, length: int) -> list[Continuation]:
+        """Each neighbour's stored continuation after the pending token (at most ``length``
+        tokens, cut at the document's end), best neighbour first; empty ones left out."""
+        length = min(length, self.max_length)
+        out = []
+        for row, cont in zip(found.rows.tolist(), self.continuations[found.rows, 1 : 1 + length], strict=True):
+            pad = np.flatnonzero(cont == PAD_TOKEN)
+            draft = cont[: int(pad[0]) if pad.size else len(cont)].tolist()
+            if draft:
+                out.append(Continuation(row + 1, draft))
+        return out
