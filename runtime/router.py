@@ -1,11 +1,12 @@
 """Domain routing: pick, per request, which of several opened datastores to draft from.
 
 Owns the choice only: the prompt's last-layer hidden states (without the positions it shares
-with the chat template, when the caller passes it: on MT-Bench first turns that lifted routing
-to the chat datastore from 12/32 to 25/32, benchmarks/routing_eval.py) are put through each
-datastore's own normaliser (a datastore's vectors live in its own reduced space), averaged, and compared by
-cosine similarity with that datastore's ``manifest.domain_centroid`` (the mean of its rows,
-written by the build); the closest wins. Does not own opening datastores or decoding.
+with the chat template, when the caller passes it: every chat datastore holds the template too,
+so only the content tells domains apart) are put through each datastore's own normaliser (a
+datastore's vectors live in its own reduced space), averaged, and compared by cosine similarity
+with that datastore's ``manifest.domain_centroid`` (the mean of its rows, written by the build);
+the closest wins. How well it routes: ``benchmarks/routing_eval.py``. Does not own opening
+datastores or decoding.
 """
 
 from __future__ import annotations
