@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the samples and the summary here (JSON)")
     args = ap.parse_args(argv)
 
-    from specstore.pipelines import steps
+    from specstore.pipelines import workers
     from specstore.pipelines.build import build
 
     samples: list[tuple[float, float, dict]] = []
@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def sample() -> None:
         while not done.is_set():
-            with steps._BARS_LOCK:
-                progress = {name: bar.n for name, bar in steps._BARS.items()}
+            progress = workers.progress_counts()
             samples.append((time.monotonic() - start, _rss_mib(), progress))
             done.wait(args.interval)
 

@@ -141,7 +141,7 @@ def main() -> int:
     (out / "REPORT.md").write_text(report)
     print(report)
     if not args.skip_builds_bench:
-        run([sys.executable, "-m", "specstore.pipelines.bench_build", "--corpus", code, "--max-docs", "200",
+        run([sys.executable, str(ROOT / "benchmarks" / "bench_build.py"), "--corpus", code, "--max-docs", "200",
              "--dtype", "bfloat16", "--out", str(out / "build_bench.json")], out / "build_bench.log")
         run([sys.executable, str(ROOT / "benchmarks" / "retrieval_latency.py")], out / "retrieval_latency.log")
     return 0

@@ -2,9 +2,10 @@
 and the staging files that carry raw hidden states from the embed stage to the writers.
 
 Owns: packing documents into padded batches of at most ``batch_tokens`` (widths from a fixed
-grid, so padding stays small and the set of batch shapes bounded), the embedding forward (through runtime/forward.py, the same code the runtime's
-live queries use), batched greedy generation with left padding for ``--regenerate``, and the
-staging file format. Pure functions over a loaded model; Beam adapts them in transforms.py.
+grid, so padding stays small and the set of batch shapes bounded), the embedding forward
+(through runtime/forward.py, the same code the runtime's live queries use), batched greedy
+generation with left padding for ``--regenerate``, and the staging file format. Pure functions
+over a loaded model; the DoFns of steps.py adapt them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ def padded_width(length: int) -> int:
 
     The embedding forwards only ever see these widths, and full batches of one width always have
     the same number of rows, so a build meets a bounded set of tensor shapes however large its
-    corpus. That bounds memory: torch keeps kernels and buffers for every shape it has run (the
-    same forward over 130 distinct batch shapes grew resident memory by 400 MB, over 44 by 69 MB;
-    BENCHMARKS.md)."""
+    corpus. That bounds memory: torch keeps kernels and buffers for every shape it has run, so
+    resident memory grows with the number of distinct shapes."""
     if length <= 64:
         return max(16, -(-length // 16) * 16)
     step = 1 << ((length - 1).bit_length() - 4)  # 2^floor(log2(length - 1)) / 8
@@ -69,8 +69,7 @@ def embed_documents(model, docs: list[np.ndarray]) -> list[np.ndarray]:
     Right padding: real tokens never attend to padding under the causal mask, so each row's
     vectors equal a forward of that document alone (to float noise), and no padding mask is
     needed: without one the attention runs its plain causal kernel, which with a mask it cannot
-    (bench_build: embedding / raw forward 0.58 -> see BENCHMARKS.md). Padding rows' own vectors
-    are computed and dropped.
+    (much faster). Padding rows' own vectors are computed and dropped.
     """
     device = next(model.parameters()).device
     ids, _ = padded(docs, 0, width=padded_width(max(len(d) for d in docs)))

@@ -1,20 +1,35 @@
-"""The build plan: every setting and location of one build, fixed before the pipeline runs.
+"""Planning a build: every decision, setting and location fixed before the pipeline runs.
 
-Owns one frozen, picklable record that the driver makes once and every Beam step receives
-(no globals), plus the staging locations inside the version's (not yet visible) file folder.
+Owns ``plan_build``, the one function that decides what a build does: it validates the inputs
+(one clear SpecstoreError line for a bad setting, a missing path, an unknown format, an unusable
+model), resolves the mode against the newest version (lineage.py; an append's parent and kept
+settings from append.py), loads the model to check and fingerprint it, and says whether the
+build would reproduce the newest version. Its result, ``BuildPlan``, is one frozen, picklable
+record that the driver and every Beam step receive (no globals), with the staging locations
+inside the version's not yet visible file folder. Nothing here writes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specstore.pipelines.corpus import Source
-from specstore.pipelines.lineage import BaseVersion
+from specstore.pipelines import append
+from specstore.pipelines.append import BaseVersion
+from specstore.pipelines.corpus import Source, resolve_sources, source_sha256
+from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, refit_paths
+from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.normaliser import NORMALISER_FILE
+from specstore.runtime.store import Store, VersionRecord, file_sha256, validate_name
+from specstore.schemas.manifest import ModelInfo
 
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "summary.json"
 REJECTED_FILE = "rejected.jsonl"
+# the plan's settings a manifest records (with model_path and normaliser_from); the unchanged check compares them
+SETTINGS_KEPT = ("dtype", "max_docs", "max_doc_tokens", "max_new_tokens", "batch_tokens", "generate_batch", "fit_rows_per_batch", "spill_dtype",
+                 "sa_shard_tokens")
+_POSITIVE = ("max_doc_tokens", "max_new_tokens", "pca_dims", "continuation_length", "batch_tokens", "sa_shard_tokens")
 
 
 @dataclass(frozen=True)
@@ -24,8 +39,11 @@ class BuildPlan:
     store_root: str
     table_uri: str
     files_dir: str
-    sources: tuple[Source, ...]
+    sources: tuple[Source, ...]  # what this build reads (an append: only the sources its parent lacks)
     model_path: str
+    source_hashes: tuple[str, ...] = ()  # content hash of each source, in the same order
+    model_info: ModelInfo | None = None  # the model's fingerprint (set once it is loaded), recorded in the manifest
+    mode: str = "full"  # full | append | refit (lineage.MODES)
     dtype: str = "float32"
     regenerate: bool = False
     max_docs: int | None = None
@@ -38,10 +56,12 @@ class BuildPlan:
     fit_rows_per_batch: int | None = 1024
     spill_dtype: str = "float32"
     progress: bool = True
-    progress_totals: bool = True  # bars know their stage's total (one process runs every step)
+    in_process: bool = True  # every step runs in the driver's process: bars know their totals, steps reuse its model
     base: BaseVersion | None = None  # append: the parent version whose rows and stream come first
     normaliser_path: str | None = None  # a normaliser to reuse instead of fitting one
+    normaliser_from: str | None = None  # recorded: the parent's build_id (append) or the reused file's hash
     sa_shard_tokens: int | None = None  # build the suffix array in shards of at most this many tokens
+    unchanged: VersionRecord | None = None  # the newest version, which this build would reproduce: nothing to run
 
     @property
     def staging_dir(self) -> Path:
@@ -50,6 +70,10 @@ class BuildPlan:
     @property
     def summary_path(self) -> Path:
         return self.staging_dir / SUMMARY_FILE
+
+    @property
+    def rejected_path(self) -> Path:
+        return Path(self.files_dir) / REJECTED_FILE
 
     def source(self, index: int) -> Source:
         """The source numbered ``index`` (an append numbers its sources after the parent's)."""
@@ -63,3 +87,102 @@ class BuildPlan:
 
     def source_format(self, index: int) -> str:
         return self.source(index).format
+
+    def recorded_settings(self) -> dict:
+        """The settings the manifest records."""
+        return {k: getattr(self, k) for k in SETTINGS_KEPT} | {"model_path": self.model_path, "normaliser_from": self.normaliser_from}
+
+    def fingerprint(self) -> tuple:
+        """What a version built by this plan would have to equal to be reproduced (lineage.fingerprint)."""
+        return fingerprint(
+            self.recorded_settings(), sources=[(s.format, h) for s, h in zip(self.sources, self.source_hashes, strict=True)],
+            model=self.model_info, pipeline_version=PIPELINE_VERSION, pca_dims=self.pca_dims,
+            continuation_length=self.continuation_length, regenerated=self.regenerate,
+        )
+
+
+def plan_build(
+    store: Store, name: str, corpus: list[str], *, mode: str = "full", fmt: str = "auto", model: str | None = None,
+    force: bool = False, normaliser: str | Path | None = None, in_process: bool = True, progress: bool = True,
+    max_docs: int | None = None, sa_shard_tokens: int | None = None, **settings,
+) -> BuildPlan:
+    """Decide one build of datastore ``name`` (see module doc); nothing is written.
+
+    ``mode``: ``full`` (the corpus as given), ``append`` (only the sources whose content the newest
+    version lacks, on top of its rows, stream and normaliser; its settings override the ones
+    given) or ``refit`` (the newest version's corpus plus ``corpus``, all recomputed). Without
+    ``force``, a plan that would reproduce the newest version has it as ``unchanged``.
+    ``normaliser``: a normaliser.npz to reuse instead of fitting one. ``in_process``: every step
+    runs in this process (the model loaded here to check it is the one they use). ``settings``:
+    the remaining BuildPlan fields (``regenerate``, ``pca_dims``, ``dtype``, ...); None means
+    the default.
+    """
+    from specstore.runtime.models import resolve_model_path
+
+    if mode not in MODES:
+        raise SpecstoreError(f"unknown build mode {mode!r}: choose one of {', '.join(MODES)}")
+    versions = store.versions(validate_name(name))
+    parent = versions[-1] if versions else None
+    if mode != "full" and parent is None:
+        raise SpecstoreError(f"--{mode} needs an existing version of '{name}' in {store.root}")
+    settings = {k: v for k, v in settings.items() if v is not None} | {"sa_shard_tokens": sa_shard_tokens}
+    normaliser_from = None
+    if mode == "append":
+        settings |= append.kept_settings(parent.manifest, sa_shard_tokens)
+        normaliser, normaliser_from = store.files_dir(name, parent.build_id) / NORMALISER_FILE, parent.build_id
+    elif mode == "refit":
+        corpus = refit_paths(parent.manifest, list(corpus))
+    if normaliser is not None and normaliser_from is None:
+        normaliser_from = file_sha256(Path(normaliser))
+    sources = resolve_sources([str(c) for c in corpus], fmt)
+    _check_settings(settings, max_docs)
+    build_id = Store.new_build_id()
+    plan = BuildPlan(
+        name=name, build_id=build_id, store_root=str(store.root), table_uri=store.table_uri(Store.table_name(name, build_id)),
+        files_dir=str(store.files_dir(name, build_id)), sources=tuple(sources), model_path=str(resolve_model_path(model)),
+        mode=mode, progress=progress, in_process=in_process, normaliser_path=None if normaliser is None else str(normaliser),
+        normaliser_from=normaliser_from, max_docs=max_docs, **settings,
+    )
+    info = _checked_model(model, plan)
+    if plan.pca_dims > info.hidden_size:
+        raise SpecstoreError(f"pca-dims {plan.pca_dims} exceeds the model's hidden size {info.hidden_size}")
+    hashes = [source_sha256(s) for s in plan.sources]
+    if mode == "append":
+        append.check_model(parent.manifest, info)
+        sources, hashes = append.new_sources(parent.manifest, list(plan.sources), hashes)
+        plan = replace(plan, sources=tuple(sources), base=BaseVersion.of(store, parent))
+    plan = replace(plan, source_hashes=tuple(hashes), model_info=info)
+    if mode == "append":
+        unchanged = not plan.sources
+    else:
+        unchanged = parent is not None and not force and fingerprint(parent.manifest) == plan.fingerprint()
+    return replace(plan, unchanged=parent) if unchanged else plan
+
+
+def single_process(runner: str, beam_args: list[str] | None) -> bool:
+    """Whether every step runs in this process (the DirectRunner's default in-memory mode with
+    one worker), so that one progress bar per stage sees the whole stage."""
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+
+    if runner not in ("DirectRunner", "direct"):
+        return False
+    opts = PipelineOptions(beam_args or []).view_as(DirectOptions)
+    return opts.direct_running_mode == "in_memory" and (opts.direct_num_workers or 1) <= 1
+
+
+def _check_settings(settings: dict, max_docs: int | None) -> None:
+    for key in _POSITIVE:
+        if settings.get(key) is not None and settings[key] <= 0:
+            raise SpecstoreError(f"{key.replace('_', '-')} must be positive, got {settings[key]}")
+    if max_docs is not None and max_docs < 0:
+        raise SpecstoreError(f"max-docs must be >= 0, got {max_docs}")
+
+
+def _checked_model(model: str | None, plan: BuildPlan) -> ModelInfo:
+    """Load the model (failing early and cleanly) and fingerprint it as the runtime does. In
+    process, it is the shared model the steps will use (one load per build)."""
+    from specstore.pipelines import workers  # Beam's Shared: imported only where a model is loaded
+    from specstore.runtime.models import load_model, model_id_of
+
+    loaded = workers.shared_model(plan.model_path, plan.dtype) if plan.in_process else load_model(model, dtype=plan.dtype)
+    return loaded.info.model_copy(update={"model_id": model_id_of(model, loaded.path)})

@@ -1,24 +1,26 @@
 """The build pipeline's graph: corpus -> documents -> embeddings -> normaliser -> fragments.
 
-Owns how the steps of steps.py are wired, labelled and batched. ``expand_build(p, plan)``
-adds the whole build to a pipeline (a TestPipeline in tests) and returns its labelled
-PCollections; its last step writes ``_staging/summary.json``, which the driver (build.py)
-turns into one committed version. Nothing here makes a version visible.
+Owns how the steps are wired, labelled and batched: the DoFns of steps.py, the writers of
+writers.py, the layout of layout.py, an append's reused shards (append.py) and the progress
+bars' totals. ``expand_build(p, plan)`` adds the whole build to a pipeline (a TestPipeline in
+tests) and returns its labelled PCollections; its last step writes the ``BuildSummary`` to
+``_staging/summary.json``, which the driver (build.py, commit.py) turns into one committed
+version. Nothing here makes a version visible.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.pvalue import AsDict, AsList, AsSingleton, PCollection
 
-from specstore.pipelines import steps
+from specstore.pipelines import append, steps, writers
 from specstore.pipelines.corpus import read_records
 from specstore.pipelines.embed import padded_width, plan_batches
+from specstore.pipelines.layout import StreamLayout, assign_shards
 from specstore.pipelines.plan import BuildPlan
+from specstore.pipelines.summary import BuildSummary, WrittenFragment, summarise
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,9 @@ class BuildOutputs:
     rejected: PCollection  # Rejection
     staged: PCollection  # StagedBatch
     normaliser: PCollection  # one Normaliser (or None)
-    layout: PCollection  # one dict: starts, num_documents, num_tokens
-    fragments: PCollection  # dicts from steps.write_fragment
-    summary: PCollection  # one dict, also written to plan.summary_path
+    layout: PCollection  # one StreamLayout
+    fragments: PCollection  # WrittenFragment
+    summary: PCollection  # one BuildSummary, also written to plan.summary_path
 
 
 def _first_n(record, counts: dict[int, int], n: int) -> bool:
@@ -41,7 +43,7 @@ def _first_n(record, counts: dict[int, int], n: int) -> bool:
 def _total(plan: BuildPlan, items: PCollection, label: str, size) -> object:
     """A stage's whole amount (sum of ``size`` over ``items``) as a side input for its progress
     bar; None (no total) when there are no bars or the steps run in several processes."""
-    if not (plan.progress and plan.progress_totals):
+    if not (plan.progress and plan.in_process):
         return None
     total = items | f"Size{label}" >> beam.Map(size) | f"Total{label}" >> beam.CombineGlobally(sum)
     return AsSingleton(total)
@@ -103,19 +105,19 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         .with_outputs("stats", main="staged")
     )
     if plan.normaliser_path is not None:  # append: the parent's normaliser, so old rows stay valid
-        normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(steps.reuse_normaliser, plan=plan)
+        normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(writers.reuse_normaliser, plan=plan)
     else:
         normaliser = (
             embedded.stats
             | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
-            | "FitNormaliser" >> beam.Map(steps.fit_and_save, plan=plan)
+            | "FitNormaliser" >> beam.Map(writers.fit_and_save, plan=plan)
         )
     if plan.sa_shard_tokens is None:  # one suffix array: the whole token stream meets on one worker
         layout = (
             documents
             | "DocTokens" >> beam.Map(lambda d: (d.doc_id, d.tokens))
             | "CollectStream" >> beam.combiners.ToList()
-            | "SuffixArray" >> beam.Map(steps.write_stream, plan=plan)
+            | "SuffixArray" >> beam.Map(writers.write_stream, plan=plan)
         )
         shards_done = p | "NoShards" >> beam.Create([])
     else:  # only lengths meet on one worker; each shard's tokens meet on the worker that sorts them
@@ -123,18 +125,18 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
             documents
             | "DocLengths" >> beam.Map(lambda d: (d.doc_id, len(d.tokens)))
             | "CollectLengths" >> beam.combiners.ToList()
-            | "AssignShards" >> beam.Map(steps.assign_shards, plan=plan)
+            | "AssignShards" >> beam.Map(assign_shards, max_tokens=plan.sa_shard_tokens, base=plan.base)
         )
         built = (
             documents
-            | "KeyByShard" >> beam.Map(lambda d, lay: (lay["shard_of"][d.doc_id], (d.doc_id, d.tokens)), lay=AsSingleton(layout))
+            | "KeyByShard" >> beam.Map(lambda d, lay: (lay.shard_of[d.doc_id], (d.doc_id, d.tokens)), lay=AsSingleton(layout))
             | "GroupShards" >> beam.GroupByKey()
-            | "ShardSuffixArrays" >> beam.Map(steps.write_shard, plan=plan, layout=AsSingleton(layout))
+            | "ShardSuffixArrays" >> beam.Map(writers.write_shard, plan=plan, layout=AsSingleton(layout))
         )
         reused = (  # an append's untouched parent shards
             p
             | "ParentShards" >> beam.Create(list(range(len(plan.base.shards))) if plan.base else [])
-            | "ReuseShards" >> beam.FlatMap(steps.reuse_shard, plan=plan, layout=AsSingleton(layout))
+            | "ReuseShards" >> beam.FlatMap(append.link_untouched_shard, plan=plan, layout=AsSingleton(layout))
         )
         shards_done = (built, reused) | "ShardsDone" >> beam.Flatten()
     fragments = embedded.staged | "WriteFragments" >> beam.FlatMap(
@@ -143,7 +145,7 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
     num_rejected = (
         prepared.rejected
         | "CollectRejected" >> beam.combiners.ToList()
-        | "WriteRejected" >> beam.Map(steps.write_rejected, plan=plan)
+        | "WriteRejected" >> beam.Map(writers.write_rejected, plan=plan)
     )
     read_counts = records | "RecordsPerSource" >> beam.Map(lambda r: r.source_index) | "CountRead" >> beam.combiners.Count.PerElement()
     rejected_counts = (
@@ -161,31 +163,16 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
 
 
 def _write_summary(
-    fragments: list[dict], plan: BuildPlan, layout: dict, num_rejected: int, read_counts: dict, rejected_counts: dict, shards_done: list[int]
-) -> dict:
+    written: list[WrittenFragment], plan: BuildPlan, layout: StreamLayout, num_rejected: int, read_counts: dict,
+    rejected_counts: dict, shards_done: list[int],
+) -> BuildSummary:
     """Everything the driver needs to commit, as one small JSON file in the staging folder
     (written after every fragment and suffix-array shard)."""
-    if plan.sa_shard_tokens is not None and sorted(shards_done) != list(range(len(layout["shards"]))):
-        raise RuntimeError(f"internal: shards written {sorted(shards_done)}, layout has {len(layout['shards'])}")
-    fragments = sorted(fragments, key=lambda f: f["first_offset"])
-    base = plan.base
-    num_rows = sum(f["num_rows"] for f in fragments) + (base.num_tokens if base else 0)
-    sums = [f["embedding_sum"] for f in fragments] + ([list(base.embedding_sum)] if base and base.embedding_sum else [])
-    emb_sum = np.sum(sums, axis=0) if sums else None
-    summary = {
-        "num_documents": layout["num_documents"],
-        "num_tokens": layout["num_tokens"],
-        "num_new_documents": layout["num_new_documents"],
-        "num_new_tokens": layout["num_new_tokens"],
-        "num_rows": num_rows,
-        "num_rejected": num_rejected,
-        "fragments": [frag for f in fragments for frag in f["fragments"]],
-        "domain_centroid": (emb_sum / num_rows).tolist() if num_rows else None,
-        "sources": {
-            str(s.index): {"num_records": int(read_counts.get(s.index, 0)), "num_rejected": int(rejected_counts.get(s.index, 0))}
-            for s in plan.sources
-        },
-    }
-    plan.staging_dir.mkdir(parents=True, exist_ok=True)
-    plan.summary_path.write_text(json.dumps(summary))
+    if plan.sa_shard_tokens is not None and sorted(shards_done) != list(range(len(layout.shards))):
+        raise RuntimeError(f"internal: shards written {sorted(shards_done)}, layout has {len(layout.shards)}")
+    summary = summarise(
+        written, layout, plan.base, num_rejected=num_rejected, source_indices=[s.index for s in plan.sources],
+        read_counts=read_counts, rejected_counts=rejected_counts,
+    )
+    summary.write(plan.summary_path)
     return summary

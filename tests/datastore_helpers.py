@@ -1,35 +1,26 @@
-"""Test helper: commit a small datastore version through the store contract, without the pipelines.
+"""Test helper: commit a small datastore version through the build's own writers, without Beam.
 
-Writes exactly what a pipeline build commits (tokens table with the shared schema, stream and
-suffix array, normaliser, manifest with checksums keyed relative to the store root, one catalogue
-row), from given documents and their hidden states, so runtime tests need neither Beam nor a
-build. The normaliser fit here is a plain numpy SVD, good enough for tests.
+Composes what a pipeline build runs, minus reading, rendering and the model forward: given
+documents (token ids) and their hidden states, the build's writers write the stream and suffix
+array, fit and save the normaliser, stage the hidden states and write the tokens table's
+fragments, and the build's ``finalise`` commits the version (checksums, manifest, one catalogue
+row). So runtime tests get a datastore in the real format without a build or a Beam pipeline.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import numpy as np
-import pyarrow as pa
 import torch
 
+from specstore.pipelines import writers
+from specstore.pipelines.commit import finalise
+from specstore.pipelines.embed import save_staged
+from specstore.pipelines.normalise import NormStats
+from specstore.pipelines.plan import BuildPlan
+from specstore.pipelines.summary import summarise
 from specstore.runtime.forward import hidden_states
-from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
-from specstore.runtime.store import Store, checksum_files
-from specstore.runtime.suffix_array import build_suffix_array, join_documents, save_suffix_index
+from specstore.runtime.store import Store
 from specstore.schemas.manifest import Manifest, ModelInfo
-from specstore.schemas.tables import PAD_TOKEN, tokens_schema
-
-
-def fit_normaliser(hidden: np.ndarray, dims: int) -> Normaliser:
-    mean, std = hidden.mean(0), hidden.std(0) + 1e-3
-    z = (hidden - mean) / std
-    pca_mean = z.mean(0)
-    _, _, vt = np.linalg.svd(z - pca_mean, full_matrices=False)
-    comps = np.zeros((dims, hidden.shape[1]))
-    comps[: min(dims, vt.shape[0])] = vt[:dims]
-    return Normaliser(mean.astype(np.float64), std.astype(np.float64), comps, pca_mean.astype(np.float64))
 
 
 def model_hidden(model, docs: list[list[int]]) -> list[np.ndarray]:
@@ -48,50 +39,24 @@ def write_datastore(
     continuation_length: int = 10,
     tag: str | None = None,
 ) -> Manifest:
+    """Commit documents ``docs`` (doc ids 0, 1, ...) with hidden states ``hiddens[i]`` [T_i, H]
+    as a new version of ``name``, built with ``info``'s model."""
     build_id = Store.new_build_id()
-    files = store.files_dir(name, build_id)
-    stream, starts = join_documents(docs)
-    save_suffix_index(files, stream, build_suffix_array(stream))
-    all_hidden = np.concatenate(hiddens).astype(np.float64)
-    normaliser = fit_normaliser(all_hidden, pca_dims)
-    normaliser.save(files / NORMALISER_FILE)
-    rows = {k: [] for k in ("doc_id", "position", "offset", "token_id", "embedding", "continuation", "continuation_len")}
-    for doc_id, (doc, hid) in enumerate(zip(docs, hiddens, strict=True)):
-        emb = normaliser.apply(hid)
-        for pos, tok in enumerate(doc):
-            cont = list(doc[pos + 1 : pos + 1 + continuation_length])
-            rows["doc_id"].append(doc_id)
-            rows["position"].append(pos)
-            rows["offset"].append(int(starts[doc_id]) + pos)
-            rows["token_id"].append(int(tok))
-            rows["embedding"].append(emb[pos].tolist())
-            rows["continuation"].append(cont + [PAD_TOKEN] * (continuation_length - len(cont)))
-            rows["continuation_len"].append(len(cont))
-    table_name = Store.table_name(name, build_id)
-    schema = tokens_schema(pca_dims, continuation_length)
-    store._db.create_table(table_name, data=pa.Table.from_pydict(rows, schema=schema), schema=schema)
-    table_dir = store.root / f"{table_name}.lance"
-    names = [str(p.relative_to(store.root)) for p in sorted(table_dir.rglob("*.lance"))]
-    names += [str((files / f).relative_to(store.root)) for f in ("stream.npy", "suffix_array.npy", NORMALISER_FILE)]
-    manifest = Manifest(
-        name=name,
-        build_id=build_id,
-        created_at=datetime.now(UTC),
-        pipeline_version="test-helper",
-        model=info,
-        pca_dims=pca_dims,
+    plan = BuildPlan(
+        name=name, build_id=build_id, store_root=str(store.root), table_uri=store.table_uri(Store.table_name(name, build_id)),
+        files_dir=str(store.files_dir(name, build_id)), sources=(), model_path="", model_info=info, pca_dims=pca_dims,
         continuation_length=continuation_length,
-        num_documents=len(docs),
-        num_tokens=int(sum(len(d) for d in docs)),
-        num_rejected=0,
-        sources=[],
-        tokens_table=table_name,
-        files=checksum_files(store.root, names),
     )
-    committed = store.commit(manifest)
-    if tag:
-        store.set_tag(f"{name}@{committed.version}", tag)
-    return committed
+    doc_ids = list(range(len(docs)))
+    tokens = [np.asarray(d, dtype=np.int32) for d in docs]
+    layout = writers.write_stream(list(zip(doc_ids, tokens, strict=True)), plan)
+    normaliser = writers.fit_and_save(NormStats.of(np.concatenate(hiddens)), plan)
+    staged = save_staged(plan.staging_dir, "all", doc_ids, tokens, list(hiddens), plan.spill_dtype)
+    written = writers.write_fragment(staged, normaliser, layout, plan)
+    writers.write_rejected([], plan)
+    summary = summarise([written], layout, None, num_rejected=0, source_indices=[], read_counts={}, rejected_counts={})
+    summary.write(plan.summary_path)
+    return finalise(store, plan, tag=tag).manifest
 
 
 TEXTS = [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specstore.pipelines import commit, steps
+from specstore.pipelines import commit, writers
 from specstore.pipelines.build import build
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.retention import collect
@@ -28,7 +28,7 @@ def _fail(*args, **kwargs):
 
 
 STAGES = {
-    "pipeline": (steps, "write_stream"),  # inside Beam, after embedding started
+    "pipeline": (writers, "write_stream"),  # inside Beam, after embedding started
     "table committed": (commit, "checksum_files"),  # the new tokens table exists, the catalogue row does not
     "catalogue": (Store, "commit"),  # everything written, the single commit point fails
 }

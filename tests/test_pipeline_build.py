@@ -15,8 +15,9 @@ import torch
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from specstore.pipelines.build import build, make_plan
+from specstore.pipelines.build import build
 from specstore.pipelines.corpus import read_records, resolve_sources
+from specstore.pipelines.plan import plan_build
 from specstore.pipelines.render import Document, prepare
 from specstore.pipelines.transforms import expand_build
 from specstore.runtime.cli import main
@@ -59,14 +60,14 @@ def _expected_documents(tiny: str) -> list[Document]:
 
 def test_graph_under_test_pipeline(tiny, tmp_path):
     store = Store(tmp_path / "s", create=True)
-    plan = make_plan(store, "fix", CORPUS, model=tiny, **OPTIONS)
+    plan = plan_build(store, "fix", CORPUS, model=tiny, **OPTIONS)
     expected = _expected_documents(tiny)
     with BeamTestPipeline() as p:
         out = expand_build(p, plan)
         assert_that(out.documents | beam.Map(lambda d: (d.doc_id, len(d.tokens))), equal_to([(d.doc_id, len(d.tokens)) for d in expected]))
         assert_that(out.rejected, equal_to([]), label="NoRejections")
         assert_that(
-            out.summary | beam.Map(lambda s: (s["num_documents"], s["num_tokens"], s["num_rows"])),
+            out.summary | beam.Map(lambda s: (s.num_documents, s.num_tokens, s.num_rows)),
             equal_to([(len(expected), sum(len(d.tokens) for d in expected), sum(len(d.tokens) for d in expected))]),
             label="SummaryCounts",
         )

@@ -8,7 +8,8 @@ import json
 import pytest
 import tqdm
 
-from specstore.pipelines.build import _single_process, build
+from specstore.pipelines.build import build
+from specstore.pipelines.plan import single_process
 from tests.helpers import make_tiny_model
 
 
@@ -51,7 +52,7 @@ def test_bars_have_totals_and_reach_them(tmp_path, monkeypatch):
     ("DataflowRunner", [], False),
 ])
 def test_totals_only_where_one_process_runs_every_step(runner, args, single):
-    assert _single_process(runner, args) is single
+    assert single_process(runner, args) is single
 
 
 def test_in_process_build_loads_the_model_once(tmp_path, monkeypatch):

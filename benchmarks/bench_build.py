@@ -1,12 +1,13 @@
 """Build benchmark: throughput per stage, embedding vs raw forward, suffix-array time, peak memory.
 
-Run: ``python -m specstore.pipelines.bench_build --corpus ../shared/data/codealpaca/code_alpaca_2k.jsonl.gz
+Run: ``python benchmarks/bench_build.py --corpus ../shared/data/codealpaca/code_alpaca_2k.jsonl.gz
 --max-docs 200``. Measures, with the default model unless ``--model``:
 
 - the whole build end to end (``specstore build`` in a subprocess: wall time, tokens/s, peak RSS);
-- each stage alone in this process on the same records: read+render+tokenise, embedding
-  (batches by padded width, forward, spill to staging, normaliser statistics), normaliser fit,
-  fragment writing (apply + rows + Lance fragment), and stream + suffix array;
+- each stage alone in this process on the same records, through a real plan (``plan_build``)
+  and the build's own functions and model: read+render+tokenise, embedding (batches by padded
+  width, forward, spill to staging, normaliser statistics), normaliser fit, stream + suffix
+  array, and fragment writing (apply + rows + Lance fragment);
 - the model's raw batched forward on random ids of the same batch shapes, as the limit the
   embedding stage is compared with (timed batch by batch, alternating with the embedding step);
 - suffix-array construction for ``--sa-tokens`` random tokens.
@@ -25,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -53,36 +53,30 @@ def _end_to_end(args, workdir: Path) -> dict:
 
 
 def _stages(args, workdir: Path) -> dict:
-    from lance.fragment import write_fragments
-
-    from specstore.pipelines.corpus import read_records, resolve_sources
-    from specstore.pipelines.embed import (
-        embed_documents,
-        load_staged,
-        padded_width,
-        plan_batches,
-        save_staged,
-    )
+    from specstore.pipelines import workers, writers
+    from specstore.pipelines.corpus import read_records
+    from specstore.pipelines.embed import embed_documents, padded_width, plan_batches, save_staged
     from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
+    from specstore.pipelines.plan import plan_build
     from specstore.pipelines.render import Document, prepare
-    from specstore.pipelines.rows import rows_table
-    from specstore.pipelines.steps import write_stream
-    from specstore.runtime.models import load_model
-    from specstore.schemas.tables import tokens_schema
+    from specstore.runtime.store import Store
 
-    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    plan = plan_build(Store(workdir / "store", create=True), "bench", args.corpus, model=args.model, dtype=args.dtype,
+                      batch_tokens=args.batch_tokens, max_docs=args.max_docs, progress=False)
+    loaded = workers.shared_model(plan.model_path, plan.dtype)  # the model the plan was checked with, as in a build
+    device = next(loaded.model.parameters()).device
     out: dict = {}
     t = time.perf_counter()
     docs: list[Document] = []
-    for source in resolve_sources(args.corpus):
+    for source in plan.sources:
         for record in read_records(source, limit=args.max_docs):
-            docs += [d for d in prepare(record, source.format, loaded.tokenizer, max_doc_tokens=2048) if isinstance(d, Document)]
+            docs += [d for d in prepare(record, source.format, loaded.tokenizer, max_doc_tokens=plan.max_doc_tokens) if isinstance(d, Document)]
     docs = docs[: args.max_docs]
     num_tokens = sum(len(d.tokens) for d in docs)
     out["read_render_tokenise"] = _rate(num_tokens, time.perf_counter() - t)
 
-    batches = plan_batches([len(d.tokens) for d in docs], args.batch_tokens)
-    staging, staged, stats = workdir / "staging", [], NormStats.empty(loaded.info.hidden_size)
+    batches = plan_batches([len(d.tokens) for d in docs], plan.batch_tokens)
+    staged, stats = [], NormStats.empty(loaded.info.hidden_size)
     shapes = [(len(b), padded_width(max(len(docs[i].tokens) for i in b))) for b in batches]
     padded_tokens = sum(rows * width for rows, width in shapes)
     gen = torch.Generator().manual_seed(0)
@@ -90,15 +84,16 @@ def _stages(args, workdir: Path) -> dict:
     def raw_forward(rows: int, width: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            loaded.model.base_model(input_ids=torch.randint(0, loaded.info.vocab_size, (rows, width), generator=gen), use_cache=False)
+            ids = torch.randint(0, loaded.info.vocab_size, (rows, width), generator=gen).to(device)
+            loaded.model.base_model(input_ids=ids, use_cache=False)
         return time.perf_counter() - start
 
     def embed_step(n: int, group: list[Document]) -> float:
         nonlocal stats
         start = time.perf_counter()
         hidden = embed_documents(loaded.model, [d.tokens for d in group])
-        staged.append(save_staged(staging, f"b{n}", [d.doc_id for d in group], [d.tokens for d in group], hidden, "float32"))
-        stats = stats.merge(NormStats.of(sample_rows(np.concatenate(hidden), 1024)))
+        staged.append(save_staged(plan.staging_dir, f"b{n}", [d.doc_id for d in group], [d.tokens for d in group], hidden, plan.spill_dtype))
+        stats = stats.merge(NormStats.of(sample_rows(np.concatenate(hidden), plan.fit_rows_per_batch)))
         return time.perf_counter() - start
 
     # untimed pass: the first forward of each new shape builds its kernels (oneDNN primitives,
@@ -106,7 +101,7 @@ def _stages(args, workdir: Path) -> dict:
     out["warmup_s"] = round(sum(raw_forward(rows, width) for rows, width in shapes), 3)
     # the limit: the same forward shapes on random ids, no staging, no statistics. Timed batch
     # by batch, paired with the embedding step of that batch (in alternating order), so that
-    # this machine's drift (the same forward varies ~20% between runs) hits both alike
+    # the machine's drift hits both alike
     embed_s, raw_s, ratios = 0.0, 0.0, []
     for n, (b, (rows, width)) in enumerate(zip(batches, shapes, strict=True)):
         group = [docs[i] for i in b]
@@ -122,18 +117,16 @@ def _stages(args, workdir: Path) -> dict:
     out["embed_vs_raw_forward_median_batch"] = round(float(np.median(ratios)), 3)
 
     t = time.perf_counter()
-    normaliser = fit_normaliser(stats, 64)
+    normaliser = fit_normaliser(stats, plan.pca_dims)
     out["normaliser_fit_s"] = round(time.perf_counter() - t, 3)
 
     t = time.perf_counter()
-    layout = write_stream([(d.doc_id, d.tokens) for d in docs], SimpleNamespace(files_dir=str(workdir / "files"), base=None))
+    layout = writers.write_stream([(d.doc_id, d.tokens) for d in docs], plan)
     out["stream_and_suffix_array"] = _rate(num_tokens, time.perf_counter() - t)
 
     t = time.perf_counter()
     for s in staged:
-        ids, toks, hidden = load_staged(s.path)
-        table = rows_table(ids, toks, [layout["starts"][d] for d in ids], normaliser.apply(hidden), 10)
-        write_fragments(table, str(workdir / "t.lance"), schema=tokens_schema(64, 10))
+        writers.write_fragment(s, normaliser, layout, plan)
     out["write_fragments"] = _rate(num_tokens, time.perf_counter() - t)
     out["num_tokens"] = num_tokens
     out["peak_rss_mib"] = round(_rss_mib(), 1)

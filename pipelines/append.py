@@ -1,0 +1,151 @@
+"""Append: a new version made of the newest one plus the sources it lacks.
+
+Owns everything an append does that a full build does not: what the steps need to know of the
+parent (``BaseVersion``), which of the parent's settings it keeps and which sources are new
+(both used by planning, plan.py), and reusing the parent's files without copying bytes: its
+token stream ahead of the new documents, its suffix-array shards that take no new documents and
+its table fragments, hard-linked into the new version. Where new documents go in the stream is
+the layout's (layout.py); the parent's normaliser is reused like any given one (writers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from specstore.pipelines.corpus import Source
+from specstore.runtime.errors import ManifestMismatchError, SpecstoreError
+from specstore.runtime.sharded_suffix import shard_dir, shard_files
+from specstore.runtime.store import Store, VersionRecord
+from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
+from specstore.schemas.manifest import Manifest, ModelInfo, SourceInfo
+
+if TYPE_CHECKING:
+    from specstore.pipelines.layout import StreamLayout
+    from specstore.pipelines.plan import BuildPlan
+
+# what must match between the parent's model and the one given for the new rows to fit its own
+MODEL_FIELDS = ("tokenizer_hash", "vocab_size", "hidden_size", "revision")
+
+
+@dataclass(frozen=True)
+class BaseVersion:
+    """The committed version an append extends: its files and the sizes its rows start after."""
+
+    version: int
+    build_id: str
+    files_dir: str
+    table_uri: str
+    num_documents: int
+    num_tokens: int
+    sources: tuple[SourceInfo, ...]  # the parent's, listed before the new ones in the manifest
+    embedding_sum: tuple[float, ...]  # domain_centroid x num_tokens, to combine with the new rows
+    shards: tuple[tuple[int, int], ...] = ()  # (stream offset, stream length) of each suffix-array shard; () if one array
+
+    @property
+    def num_entries(self) -> int:
+        """Length of the parent's stream: its tokens and one separator per document."""
+        return self.num_tokens + self.num_documents
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(s.num_rejected for s in self.sources)
+
+    @classmethod
+    def of(cls, store: Store, record: VersionRecord) -> BaseVersion:
+        m = record.manifest
+        centroid = m.domain_centroid or []
+        files = store.files_dir(m.name, m.build_id)
+        shards, offset = [], 0
+        for stream in shard_files(files)[::2]:  # (stream, suffix array) per shard, in shard order
+            length = int(np.load(stream, mmap_mode="r").shape[0])
+            shards.append((offset, length))
+            offset += length
+        return cls(
+            version=record.version, build_id=m.build_id, files_dir=str(files),
+            table_uri=store.table_uri(m.tokens_table), num_documents=m.num_documents, num_tokens=m.num_tokens,
+            sources=tuple(m.sources), embedding_sum=tuple(float(c) * m.num_tokens for c in centroid),
+            shards=tuple(shards),
+        )
+
+
+def kept_settings(parent: Manifest, sa_shard_tokens: int | None) -> dict:
+    """The settings an append takes from its parent, so that its rows match the parent's
+    (``sa_shard_tokens``, the one given, must be None or the parent's own)."""
+    s = parent.settings
+    kept = s.get("sa_shard_tokens")
+    if sa_shard_tokens is not None and sa_shard_tokens != kept:
+        have = f"shards of {kept} tokens" if kept else "one suffix array"
+        raise SpecstoreError(f"--append keeps the parent's suffix-array layout ({have}); change --sa-shard-tokens with --refit")
+    keep = {k: s[k] for k in ("max_doc_tokens", "max_new_tokens", "batch_tokens", "dtype") if s.get(k) is not None}
+    return keep | {
+        "pca_dims": parent.pca_dims, "continuation_length": parent.continuation_length, "regenerate": parent.regenerated,
+        "sa_shard_tokens": kept,
+    }
+
+
+def check_model(parent: Manifest, info: ModelInfo) -> None:
+    """The given model must be the parent's (ManifestMismatchError names the first field that differs)."""
+    for name in MODEL_FIELDS:
+        if getattr(parent.model, name) != getattr(info, name):
+            raise ManifestMismatchError(name, getattr(parent.model, name), getattr(info, name))
+
+
+def new_sources(parent: Manifest, sources: list[Source], hashes: list[str]) -> tuple[list[Source], list[str]]:
+    """The sources (re-indexed after the parent's) whose content the parent does not hold yet."""
+    held = {(s.format, s.sha256) for s in parent.sources}
+    kept = [(s, h) for s, h in zip(sources, hashes, strict=True) if (s.format, h) not in held]
+    offset = len(parent.sources)
+    return [Source(offset + i, s.path, s.format) for i, (s, _) in enumerate(kept)], [h for _, h in kept]
+
+
+def parent_stream(base: BaseVersion, shard: int | None = None) -> np.ndarray:
+    """The parent's token stream (or that of its shard ``shard``), to put ahead of new documents."""
+    folder = Path(base.files_dir) if shard is None else shard_dir(Path(base.files_dir), shard)
+    return np.load(folder / STREAM_FILE)
+
+
+def link_untouched_shard(index: int, plan: BuildPlan, layout: StreamLayout) -> list[int]:
+    """A parent's shard that takes no new documents, linked into the new version: ``[index]``;
+    ``[]`` for one that does (writers.write_shard rebuilds it)."""
+    if layout.shards[index].takes_new_documents:
+        return []
+    source, target = shard_dir(Path(plan.base.files_dir), index), shard_dir(Path(plan.files_dir), index)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in (STREAM_FILE, SA_FILE):
+        link_or_copy(source / name, target / name)
+    return [index]
+
+
+def link_parent_fragments(base: BaseVersion, table_uri: str) -> list:
+    """The parent's fragments, their data files hard-linked (copied across devices) into the new
+    table, so the new version never depends on the parent's files and gc may remove either."""
+    import lance
+
+    dataset = lance.dataset(base.table_uri)
+    data_dir = Path(table_uri) / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    metadata = []
+    for fragment in dataset.get_fragments():
+        meta = fragment.metadata
+        if meta.deletion_file is not None:
+            raise SpecstoreError(f"tokens table {base.table_uri} has deleted rows; append needs a complete parent")
+        for data_file in fragment.data_files():
+            link_or_copy(Path(base.table_uri) / "data" / data_file.path, data_dir / data_file.path)
+        metadata.append(meta)
+    return metadata
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes a hard link to ``src`` (a copy across devices): no bytes copied, and gc of
+    the version that owns ``src`` leaves ``dst`` intact. Replaces what a crashed run left at ``dst``."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -1,0 +1,103 @@
+"""The files of a version that the build's single-writer steps write.
+
+Owns writing, into the version's (not yet visible) file folder: the token stream and suffix
+array (whole, or one shard at a time), the normaliser (fitted here, or a given one copied), the
+tokens table's Lance fragments (uncommitted) and the rejected records; each checked against the
+stream layout (layout.py). Plain functions of the plan and their inputs: no Beam, no progress
+bars (the adapters in steps.py and transforms.py add them). Nothing here makes anything visible:
+commit.py does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specstore.pipelines.append import parent_stream
+from specstore.pipelines.embed import StagedBatch, load_staged
+from specstore.pipelines.layout import StreamLayout, stream_layout
+from specstore.pipelines.normalise import NormStats, fit_normaliser
+from specstore.pipelines.plan import BuildPlan
+from specstore.pipelines.render import Rejection
+from specstore.pipelines.rows import rows_table
+from specstore.pipelines.summary import WrittenFragment
+from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
+from specstore.runtime.sharded_suffix import shard_dir
+from specstore.runtime.suffix_array import build_suffix_array, join_documents, save_suffix_index
+from specstore.schemas.tables import tokens_schema
+
+
+def fit_and_save(stats: NormStats | None, plan: BuildPlan) -> Normaliser | None:
+    """Fit the normaliser and write normaliser.npz (None when there is nothing to fit)."""
+    if stats is None or stats.n < 2:
+        return None
+    normaliser = fit_normaliser(stats, plan.pca_dims)
+    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
+    normaliser.save(Path(plan.files_dir) / NORMALISER_FILE)
+    return normaliser
+
+
+def reuse_normaliser(_, plan: BuildPlan) -> Normaliser:
+    """Copy the normaliser an append (or a fixed-normaliser build) reuses into this build's files."""
+    normaliser = Normaliser.load(Path(plan.normaliser_path))
+    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
+    normaliser.save(Path(plan.files_dir) / NORMALISER_FILE)
+    return normaliser
+
+
+def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> StreamLayout:
+    """Join all documents in doc_id order (after the parent's stream, for an append), build and
+    save the suffix array; return the layout."""
+    docs = sorted(docs, key=lambda d: d[0])
+    layout = stream_layout([(doc, len(tokens)) for doc, tokens in docs], plan.base)
+    stream, _ = join_documents([tokens for _, tokens in docs])
+    if plan.base is not None:
+        stream = np.concatenate([parent_stream(plan.base), stream])
+    if len(stream) != layout.num_entries:
+        raise RuntimeError(f"internal: a stream of {len(stream)} entries, the layout says {layout.num_entries}")
+    save_suffix_index(Path(plan.files_dir), stream, build_suffix_array(stream))
+    return layout
+
+
+def write_shard(keyed: tuple[int, list[tuple[int, np.ndarray]]], plan: BuildPlan, layout: StreamLayout) -> int:
+    """One shard's stream and suffix array (built on the worker that holds only this shard); a
+    parent's shard that takes new documents is rebuilt from its stream followed by theirs."""
+    index, docs = keyed
+    docs = sorted(docs, key=lambda d: d[0])
+    stream, _ = join_documents([tokens for _, tokens in docs])
+    expected = layout.shards[index]
+    if expected.base_length:
+        stream = np.concatenate([parent_stream(plan.base, index), stream])
+    first = expected.offset + expected.base_length
+    if len(stream) != expected.length or layout.starts[docs[0][0]] != first:
+        raise RuntimeError(f"internal: shard {index} has {len(stream)} entries, layout says {expected}")
+    save_suffix_index(shard_dir(Path(plan.files_dir), index), stream, build_suffix_array(stream))
+    return index
+
+
+def write_fragment(staged: StagedBatch, normaliser: Normaliser, layout: StreamLayout, plan: BuildPlan) -> WrittenFragment:
+    """Rows of one staging file -> Lance fragments of the tokens table (not yet committed)."""
+    from lance.fragment import write_fragments
+
+    doc_ids, docs, hidden = load_staged(staged.path)
+    embeddings = normaliser.apply(hidden)
+    del hidden
+    starts = [layout.starts[d] for d in doc_ids]
+    table = rows_table(doc_ids, docs, starts, embeddings, plan.continuation_length)
+    fragments = write_fragments(table, plan.table_uri, schema=tokens_schema(plan.pca_dims, plan.continuation_length))
+    return WrittenFragment(
+        first_offset=int(min(starts)), fragments=tuple(json.dumps(f.to_json()) for f in fragments), num_rows=table.num_rows,
+        embedding_sum=tuple(embeddings.astype(np.float64).sum(axis=0).tolist()),
+    )
+
+
+def write_rejected(rejections: list[Rejection], plan: BuildPlan) -> int:
+    """All rejected records, in source and record order, one JSON object per line."""
+    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
+    rejections = sorted(rejections, key=lambda r: (r.source_index, r.record_index))
+    with open(plan.rejected_path, "w", encoding="utf-8") as out:
+        for r in rejections:
+            out.write(json.dumps(r.to_json(plan.source_path(r.source_index)), ensure_ascii=False) + "\n")
+    return len(rejections)
