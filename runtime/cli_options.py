@@ -58,7 +58,8 @@ def _unknown(command: str, arg: str, suggest_from: list[str], what: str) -> Spec
 def reject_unknown(command: str, parser: argparse.ArgumentParser, extra: list[str]) -> None:
     """For a command that forwards nothing: any leftover argument is an error."""
     if extra:
-        raise _unknown(command, extra[0], _long_options(parser), f"see specstore {command} --help")
+        first = next((a for a in extra if a.startswith("-")), extra[0])
+        raise _unknown(command, first, _long_options(parser), f"see specstore {command} --help")
 
 
 def quiet_beam_import() -> None:

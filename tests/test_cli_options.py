@@ -73,6 +73,11 @@ def test_bad_beam_values_and_runners_fail_fast(tmp_path, monkeypatch, capsys):
 def test_other_commands_name_an_unknown_option_in_one_line(tmp_path, capsys):
     line = _one_error_line(capsys, ["versions", "--store", str(tmp_path), "--name", "x", "--jsn"])
     assert line == "specstore: error: unknown option --jsn for versions (see specstore versions --help); did you mean --json?"
+    line = _one_error_line(capsys, ["tag", "--store", str(tmp_path), "--ref", "x@1", "--tag", "t", "stray", "--force"])
+    assert line.startswith("specstore: error: unknown option --force for tag")
+    assert _one_error_line(capsys, ["gc", "--store", str(tmp_path), "--name", "x", "--keep", "1", "stray"]).endswith(
+        "unexpected argument 'stray' for gc")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _commands_with_store() -> dict[str, argparse.ArgumentParser]:
