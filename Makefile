@@ -7,16 +7,17 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-suffixdecoding demo test test-all lint bench clean help
+.PHONY: install install-suffixdecoding demo test test-all lint check-wheel bench clean help
 
 help:
 	@echo "make install   virtualenv in .venv with everything, default model provisioned into ~/.cache/specstore"
 	@echo "make demo      build a code and a chat datastore, show them, decode with every method"
 	@echo "make test      fast tests (CPU);  make test-all  adds the slow ones"
 	@echo "make lint      ruff;  make bench  the benchmark suite (long)"
+	@echo "make check-wheel  build the wheel, install it into a fresh virtualenv, import every module, run every --help"
 	@echo "make install-suffixdecoding  optional SuffixDecoding reference drafter (arctic-inference, built from source)"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: pip takes the CPU build that lies on this disk (unpinned pulls CUDA)
@@ -48,6 +49,18 @@ test-all: install
 
 lint: install
 	$(VENV)/bin/ruff check schemas runtime pipelines tests examples
+
+# the wheel as a user gets it: built from a copy of the sources, installed (not editable) with its
+# pinned dependencies into a fresh virtualenv (torch first, as in install); .ci/check_wheel.py then
+# checks every module is in it and imports, and runs every command's --help from the console script
+check-wheel:
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	mkdir "$$tmp/src"; cp -r pyproject.toml setup.py README.md schemas runtime pipelines "$$tmp/src/"; \
+	$(PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/pip" wheel -q --no-deps -w "$$tmp/dist" "$$tmp/src"; \
+	"$$tmp/venv/bin/pip" install -q --no-compile torch==2.13.0; \
+	"$$tmp/venv/bin/pip" install -q --no-compile "$$(ls "$$tmp"/dist/specstore-*.whl)[pipelines]"; \
+	cd "$$tmp" && "$$tmp/venv/bin/python" $(CURDIR)/.ci/check_wheel.py $(CURDIR)
 
 bench: install
 	$(PY) benchmarks/run_all.py

@@ -1,7 +1,9 @@
 """The ``specstore`` command line: one parser per command, handlers imported lazily.
 
-User mistakes (a SpecstoreError) print one line to stderr and exit with status 2; the build
-command imports the pipelines (and Beam) only when it runs.
+User mistakes (a SpecstoreError) print one line to stderr and exit with status 2. Before a
+command does any work, ``cli_options`` refuses a URI store and any option the command does not
+define, except the Beam pipeline options that ``build`` forwards. Only ``build`` imports the
+pipelines (and Beam), when it runs.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="build a new version of a datastore from corpora (Apache Beam pipeline)",
         description="Read corpora, tokenise (and optionally regenerate responses with the model), embed every "
         "token with the model's last hidden layer, fit the normaliser (z-score, PCA, L2), and commit the tokens "
-        "table, suffix array, normaliser and manifest as one new version. Unknown options go to Beam "
-        "(e.g. --direct_running_mode=multi_processing, --direct_num_workers=2).",
+        "table, suffix array, normaliser and manifest as one new version. Options specstore does not define are "
+        "passed to Beam if the installed Beam's pipeline options define them (e.g. --direct_running_mode=multi_processing "
+        "--direct_num_workers=2, or --job_endpoint HOST:PORT for the PortableRunner); any other option is an error "
+        "before the build starts. Options are never abbreviated here, so that none is mistaken for a Beam option.",
+        allow_abbrev=False,
     )
     _add_store(p)
     p.add_argument("--name", required=True, help="datastore name (one per domain), e.g. code or chat")
@@ -52,7 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--refit", action="store_true", help="rebuild the newest version's corpora plus these, refitting the normaliser")
     p.add_argument("--sa-shard-tokens", type=int, default=None, metavar="N", help="build the suffix array in shards of at most N tokens, on separate workers (large corpora)")
     p.add_argument("--force", action="store_true", help="build even when corpus content, settings and model are unchanged")
-    p.set_defaults(handler=_cmd_build, accepts_extra=True)
+    p.set_defaults(handler=_cmd_build, forwards_to="beam")
 
     p = sub.add_parser("versions", help="list the versions of a datastore", description="List versions with tags, counts and creation time.")
     _add_store(p)
@@ -149,6 +154,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.cli_options import quiet_beam_import
+
+    quiet_beam_import()
     from specstore.pipelines.build import run_from_args  # imports Beam only here
 
     return run_from_args(args, extra)
@@ -223,12 +231,25 @@ def _cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Before any work: a URI store is refused, and every option left over must be one the command
+    forwards (build: Beam's pipeline options) — else one error line naming it."""
+    from specstore.runtime.cli_options import check_beam_options, check_store, reject_unknown
+
+    check_store(getattr(args, "store", None))
+    command = args.command
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    if getattr(args, "forwards_to", None) == "beam":
+        check_beam_options(command, sub, args.runner, extra)
+    else:
+        reject_unknown(command, sub, extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        _check_arguments(parser, args, extra)
         return int(args.handler(args, extra) or 0)
     except SpecstoreError as exc:
         print(f"specstore: error: {exc}", file=sys.stderr)
