@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 
 from specstore.runtime import api
@@ -59,7 +59,8 @@ class ServedResult:
     datastore: str | None
     reference: str | None
     lossless: bool
-    routing: dict[str, float] | None = None
+    routing: dict[str, float] | None = None  # several datastores: each one's score for this prompt
+    drafter: object = field(default=None, repr=False)  # the request's drafter, for its own counters (ReSpec's)
 
     def to_dict(self) -> dict:
         return {
@@ -224,7 +225,7 @@ class Engine:
             result = ServedResult(
                 out.text, out.token_ids, out.prompt_ids, out.stats, out.stop_reason, method,
                 ds.ref if ds is not None else None, str(slot.reference) if slot is not None else None,
-                bool(getattr(drafter, "lossless", True)), routing,
+                bool(getattr(drafter, "lossless", True)), routing, drafter,
             )
             self._served(prompt, template, result, dict(temperature=temperature, top_p=top_p, seed=seed))
             return result

@@ -47,7 +47,7 @@ def test_engine_output_equals_generate_for_every_method(own):
             assert result.token_ids == reference.token_ids == outputs[prompt], method
             assert result.text == reference.text and result.stop_reason == reference.stop_reason
             assert result.stats.accepted_per_step == reference.stats.accepted_per_step, method
-            assert result.method == method and result.lossless
+            assert result.method == method and result.lossless and result.drafter.name == method
             assert result.datastore == ("own@1" if method in ("rest", "dresd", "respec") else None)
     assert engine.generate(PROMPTS[0], max_new_tokens=N).stats.mat > 1.5  # its own answers: retrieval finds them
     # chat messages, raw text without the template, sampling with a seed
