@@ -59,7 +59,7 @@ check-wheel:
 	$(PYTHON) -m venv "$$tmp/venv"; \
 	"$$tmp/venv/bin/pip" wheel -q --no-deps -w "$$tmp/dist" "$$tmp/src"; \
 	"$$tmp/venv/bin/pip" install -q --no-compile torch==2.13.0; \
-	"$$tmp/venv/bin/pip" install -q --no-compile "$$(ls "$$tmp"/dist/specstore-*.whl)[pipelines]"; \
+	"$$tmp/venv/bin/pip" install -q --no-compile "$$(ls "$$tmp"/dist/specstore-*.whl)[pipelines,serve]"; \
 	cd "$$tmp" && "$$tmp/venv/bin/python" $(CURDIR)/.ci/check_wheel.py $(CURDIR)
 
 bench: install
