@@ -10,7 +10,6 @@ import tqdm
 
 from specstore.pipelines.build import build
 from specstore.pipelines.plan import single_process
-from tests.helpers import make_tiny_model
 
 
 class _Recorder(tqdm.tqdm):
@@ -26,14 +25,13 @@ class _Recorder(tqdm.tqdm):
         return super().update(n)
 
 
-def test_bars_have_totals_and_reach_them(tmp_path, monkeypatch):
-    tiny = str(make_tiny_model(tmp_path / "model"))
+def test_bars_have_totals_and_reach_them(tiny_model_dir, tmp_path, monkeypatch):
     corpus = tmp_path / "q.jsonl"
     rows = [{"turns": [f"Question number {i}, " + "and more " * i]} for i in range(7)] + [{"broken": True}]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
     monkeypatch.setattr(tqdm, "tqdm", _Recorder)
     _Recorder.bars = []
-    result = build(tmp_path / "s", "p", [str(corpus)], model=tiny, regenerate=True, max_new_tokens=5, pca_dims=4,
+    result = build(tmp_path / "s", "p", [str(corpus)], model=tiny_model_dir, regenerate=True, max_new_tokens=5, pca_dims=4,
                    batch_tokens=128, progress=True)
     m = result.manifest
     bars = {b.desc: b for b in _Recorder.bars}
@@ -55,19 +53,18 @@ def test_totals_only_where_one_process_runs_every_step(runner, args, single):
     assert single_process(runner, args) is single
 
 
-def test_in_process_build_loads_the_model_once(tmp_path, monkeypatch):
+def test_in_process_build_loads_the_model_once(tiny_model_dir, tmp_path, monkeypatch):
     """The driver's model (loaded to check and fingerprint it) is the one the in-process workers
     use: one load per build, not two."""
     from specstore.runtime import models
 
-    tiny = str(make_tiny_model(tmp_path / "model"))
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * (i + 2)}) + "\n" for i in range(6)))
     loads = []
     real = models.load_model
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
-    first = build(tmp_path / "s", "once", [str(corpus)], model=tiny, pca_dims=4, progress=False)
+    first = build(tmp_path / "s", "once", [str(corpus)], model=tiny_model_dir, pca_dims=4, progress=False)
     assert len(loads) == 1 and first.manifest.num_documents == 6
     # the fingerprint is the one a separate load gives: an unchanged rebuild is recognised
-    assert first.manifest.model == real(tiny, dtype="float32").info
-    assert build(tmp_path / "s", "once", [str(corpus)], model=tiny, pca_dims=4, progress=False).unchanged
+    assert first.manifest.model == real(tiny_model_dir, dtype="float32").info
+    assert build(tmp_path / "s", "once", [str(corpus)], model=tiny_model_dir, pca_dims=4, progress=False).unchanged
