@@ -10,6 +10,7 @@ import tqdm
 
 from specstore.pipelines.build import build
 from specstore.pipelines.plan import single_process
+from tests.helpers import make_tiny_model
 
 
 class _Recorder(tqdm.tqdm):
@@ -53,18 +54,19 @@ def test_totals_only_where_one_process_runs_every_step(runner, args, single):
     assert single_process(runner, args) is single
 
 
-def test_in_process_build_loads_the_model_once(tiny_model_dir, tmp_path, monkeypatch):
+def test_in_process_build_loads_the_model_once(tmp_path, monkeypatch):
     """The driver's model (loaded to check and fingerprint it) is the one the in-process workers
     use: one load per build, not two."""
     from specstore.runtime import models
 
+    model_dir = str(make_tiny_model(tmp_path / "model"))  # its own folder: no cached load of a shared one to find
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * (i + 2)}) + "\n" for i in range(6)))
     loads = []
     real = models.load_model
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
-    first = build(tmp_path / "s", "once", [str(corpus)], model=tiny_model_dir, pca_dims=4, progress=False)
+    first = build(tmp_path / "s", "once", [str(corpus)], model=model_dir, pca_dims=4, progress=False)
     assert len(loads) == 1 and first.manifest.num_documents == 6
     # the fingerprint is the one a separate load gives: an unchanged rebuild is recognised
-    assert first.manifest.model == real(tiny_model_dir, dtype="float32").info
-    assert build(tmp_path / "s", "once", [str(corpus)], model=tiny_model_dir, pca_dims=4, progress=False).unchanged
+    assert first.manifest.model == real(model_dir, dtype="float32").info
+    assert build(tmp_path / "s", "once", [str(corpus)], model=model_dir, pca_dims=4, progress=False).unchanged
