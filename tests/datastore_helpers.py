@@ -1,10 +1,11 @@
-"""Test helper: commit a small datastore version through the build's own writers, without Beam.
+"""Test helpers: commit a small datastore version through the build's own writers, without Beam.
 
 Composes what a pipeline build runs, minus reading, rendering and the model forward: given
 documents (token ids) and their hidden states, the build's writers write the stream and suffix
 array, fit and save the normaliser, stage the hidden states and write the tokens table's
 fragments, and the build's ``finalise`` commits the version (checksums, manifest, one catalogue
 row). So runtime tests get a datastore in the real format without a build or a Beam pipeline.
+``pipeline_store`` is the other way: a real build (DirectRunner) of JSONL records.
 """
 
 from __future__ import annotations
@@ -99,3 +100,28 @@ def own_output_datastore(folder, max_new_tokens: int = 24):
     store = Store(folder / "store", create=True)
     write_datastore(store, "own", docs, model_hidden(loaded.model, docs), loaded.info)
     return store, loaded, {p: r.token_ids for p, r in outputs.items()}
+
+
+def pipeline_store(folder, model, records: list[dict], name: str):
+    """A datastore built by the real pipeline (DirectRunner) from JSONL records."""
+    import json
+
+    from specstore.pipelines.build import build
+
+    corpus = folder / f"{name}.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return build(folder / "store", name, [str(corpus)], model=model, pca_dims=8, progress=False, tag="prod").manifest
+
+
+CODE_RECORDS = [
+    {"instruction": "Write a Python function that adds two numbers.", "output": "def add(a, b):\n    return a + b"},
+    {"instruction": "Write a Python function that reverses a string.", "output": "def reverse(s):\n    return s[::-1]"},
+    {"instruction": "Write a Python function that returns the maximum of a list.",
+     "output": "def maximum(values):\n    best = values[0]\n    for v in values:\n        if v > best:\n            best = v\n    return best"},
+]
+CHAT_RECORDS = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "The capital of France is Paris."}]},
+    {"messages": [{"role": "user", "content": "Give me a tip for sleeping well."},
+                  {"role": "assistant", "content": "Go to bed at the same time every night and keep your room dark and cool."}]},
+]

@@ -18,8 +18,8 @@ _ROOT = Path(tempfile.mkdtemp(prefix="specstore-tiny-"))
 
 
 @functools.cache
-def tiny(family: str = "llama", attn: str = "sdpa", **config_overrides):
-    """(model, tokenizer) of a tiny random ``family`` model in float32, built once per process."""
+def tiny_lm(family: str = "llama", attn: str = "sdpa", **config_overrides):
+    """(model, tokenizer) in memory: a tiny random ``family`` model in float32, built once per process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _ROOT / family

@@ -8,6 +8,12 @@ import torch
 
 from specstore.runtime.models import provision_default_model
 
+CORPUS_DIR = Path(__file__).parent / "fixtures" / "corpus"
+"""The fixture corpus: ``instruct.jsonl``, ``chat.jsonl``, ``notes.txt`` and a ``code/`` folder."""
+
+BUILD_OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+"""Small, fast ``build(...)`` options the pipeline and ops tests share (override per test with ``|``)."""
+
 
 def default_tokenizer():
     """The embedded default model's tokenizer (provisioned by `make install`; no network)."""

@@ -10,12 +10,12 @@ import torch
 import specstore.runtime as rt
 from specstore.runtime.api import custom_generate, prompt_ids
 from specstore.runtime.errors import SpecstoreError
-from tests.decoding_helpers import FAMILIES, tiny
+from tests.decoding_helpers import FAMILIES, tiny_lm
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_matches_transformers_greedy(family):
-    model, tok = tiny(family)
+    model, tok = tiny_lm(family)
     ids = prompt_ids(tok, "Say hello twice: hello hello")
     ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20, min_new_tokens=20, pad_token_id=0)
     ref = ref[0, len(ids) :].tolist()
@@ -28,7 +28,7 @@ def test_generate_matches_transformers_greedy(family):
 
 
 def test_prompt_string_goes_through_the_chat_template():
-    _, tok = tiny("llama")
+    _, tok = tiny_lm("llama")
     ids = prompt_ids(tok, "hi")
     text = tok.decode(ids)
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
@@ -38,14 +38,14 @@ def test_prompt_string_goes_through_the_chat_template():
 
 
 def test_stream_receives_the_text_in_pieces():
-    model, tok = tiny("llama")
+    model, tok = tiny_lm("llama")
     pieces: list[str] = []
     out = rt.generate(model, tok, "Count: one two three one two three", drafter="pld", max_new_tokens=30, stream=pieces.append)
     assert "".join(pieces) == out.text and len(pieces) >= 1
 
 
 def test_sampling_seed_is_reproducible_and_stats_serialise():
-    model, tok = tiny("llama")
+    model, tok = tiny_lm("llama")
     a = rt.generate(model, tok, "hello", drafter="pld", max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
     b = rt.generate(model, tok, "hello", drafter="pld", max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
     assert a.token_ids == b.token_ids
@@ -55,7 +55,7 @@ def test_sampling_seed_is_reproducible_and_stats_serialise():
 
 
 def test_bad_arguments():
-    model, tok = tiny("llama")
+    model, tok = tiny_lm("llama")
     with pytest.raises(SpecstoreError, match="unknown drafting method"):
         rt.generate(model, tok, "hi", drafter="nope")
     with pytest.raises(ValueError, match="temperature"):
@@ -66,7 +66,7 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_custom_generate_through_model_generate(family):
-    model, tok = tiny(family)
+    model, tok = tiny_lm(family)
     ids = torch.tensor([prompt_ids(tok, "Repeat: red green blue red green blue")])
     plain = model.generate(ids, do_sample=False, max_new_tokens=16, pad_token_id=0)
     ours = model.generate(ids, custom_generate=custom_generate, drafter="pld", do_sample=False, max_new_tokens=16, pad_token_id=0)

@@ -10,11 +10,12 @@ from tests.datastore_helpers import tiny_datastore
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli")
-    store, loaded, manifest = tiny_datastore(folder)
+def tagged_store(tiny_store):
+    """The module's ``tiny_store`` with ``code@1`` tagged ``prod``: ``(folder, manifest)``, the
+    folder holding ``model/`` and ``store/``."""
+    store, _, manifest = tiny_store
     store.set_tag("code@1", "prod")
-    return folder, manifest
+    return store.root.parent, manifest
 
 
 def run(capsys, folder, *args):
@@ -32,8 +33,8 @@ def error_line(code, err) -> str:
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "rest", "dresd"])
-def test_json_output_is_identical_across_methods(capsys, tiny, method):
-    folder, _ = tiny
+def test_json_output_is_identical_across_methods(capsys, tagged_store, method):
+    folder, _ = tagged_store
     code, out, _ = run(capsys, folder, "--method", method, "--datastore", "code@prod", "--json")
     assert code == 0
     result = json.loads(out)
@@ -44,8 +45,8 @@ def test_json_output_is_identical_across_methods(capsys, tiny, method):
     assert json.loads(ar_out)["token_ids"] == result["token_ids"]
 
 
-def test_streams_text_and_a_summary(capsys, tiny):
-    folder, _ = tiny
+def test_streams_text_and_a_summary(capsys, tagged_store):
+    folder, _ = tagged_store
     code, out, err = run(capsys, folder, "--method", "rest", "--datastore", "code")
     assert code == 0 and out.strip() and "[rest] 8 tokens" in err
 
@@ -54,24 +55,24 @@ def test_streams_text_and_a_summary(capsys, tiny):
     "ref, message",
     [("chat", "no datastore named 'chat'"), ("code@7", "no version 7"), ("code@beta", "no tag 'beta'"), ("Bad Name", "invalid datastore name")],
 )
-def test_unknown_references(capsys, tiny, ref, message):
-    folder, _ = tiny
+def test_unknown_references(capsys, tagged_store, ref, message):
+    folder, _ = tagged_store
     code, _, err = run(capsys, folder, "--method", "dresd", "--datastore", ref)
     assert message in error_line(code, err)
 
 
-def test_missing_datastore_and_store(capsys, tiny, tmp_path):
-    folder, _ = tiny
+def test_missing_datastore_and_store(capsys, tagged_store, tmp_path):
+    folder, _ = tagged_store
     code, _, err = run(capsys, folder, "--method", "rest")
     assert "needs --datastore" in error_line(code, err)
     code = main(["generate", "--store", str(tmp_path / "none"), "--datastore", "code", "--method", "rest", "--prompt", "x"])
     assert "does not exist" in error_line(code, capsys.readouterr().err)
 
 
-def test_tokenizer_mismatch_names_the_field(capsys, tiny, tmp_path):
+def test_tokenizer_mismatch_names_the_field(capsys, tagged_store, tmp_path):
     from transformers import AutoTokenizer
 
-    folder, _ = tiny
+    folder, _ = tagged_store
     other = tmp_path / "model"
     shutil.copytree(folder / "model", other)
     tok = AutoTokenizer.from_pretrained(str(other))
@@ -97,10 +98,10 @@ def test_corrupted_files_fail_with_one_line(capsys, tmp_path):
         assert "fails its checksum" in error_line(code, capsys.readouterr().err)
 
 
-def test_respec_with_a_draft_model_fallback(capsys, tiny, tmp_path):
+def test_respec_with_a_draft_model_fallback(capsys, tagged_store, tmp_path):
     from tests.helpers import make_tiny_model
 
-    folder, _ = tiny
+    folder, _ = tagged_store
     draft = make_tiny_model(tmp_path / "draft", seed=3, layers=1)  # another model, the same tokenizer
     code, out, _ = run(capsys, folder, "--method", "respec", "--datastore", "code", "--json", "--entropy-threshold", "0",
                        "--draft-model", str(draft), "--draft-tokens", "3")
@@ -130,8 +131,8 @@ def test_respec_with_a_draft_model_fallback(capsys, tiny, tmp_path):
     assert "does not use one" in error_line(code, err)
 
 
-def test_another_methods_option_is_one_error_line_before_the_model_loads(capsys, tiny):
-    folder, _ = tiny
+def test_another_methods_option_is_one_error_line_before_the_model_loads(capsys, tagged_store):
+    folder, _ = tagged_store
     code = main(["generate", "--store", str(folder / "store"), "--model", str(folder / "missing-model"), "--prompt", "x",
                  "--method", "pld", "--entropy-threshold", "1.0"])
     assert "--entropy-threshold is an option of method 'respec'" in error_line(code, capsys.readouterr().err)

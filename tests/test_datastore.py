@@ -10,7 +10,13 @@ from specstore.runtime.errors import ChecksumError, DatastoreNotFoundError, Mani
 from specstore.runtime.forward import hidden_states
 from specstore.runtime.store import Store
 from specstore.schemas.manifest import ModelInfo
-from tests.datastore_helpers import tiny_datastore, write_datastore
+from tests.datastore_helpers import (
+    CHAT_RECORDS,
+    CODE_RECORDS,
+    pipeline_store,
+    tiny_datastore,
+    write_datastore,
+)
 
 INFO = ModelInfo(model_id="m", revision="r", tokenizer_hash="t", vocab_size=50, hidden_size=16)
 
@@ -122,17 +128,6 @@ def test_stored_vectors_equal_a_fresh_query_transform(tmp_path):
     assert ds.continuations[found.rows[0]].tolist() == row["continuation"]
 
 
-def pipeline_store(folder, model, records: list[dict], name: str):
-    """A datastore built by the real pipeline (DirectRunner) from JSONL records."""
-    import json
-
-    from specstore.pipelines.build import build
-
-    corpus = folder / f"{name}.jsonl"
-    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return build(folder / "store", name, [str(corpus)], model=model, pca_dims=8, progress=False, tag="prod").manifest
-
-
 def check_methods_match_ar(ds, loaded, prompts, max_new_tokens) -> dict[str, float]:
     from specstore.runtime.api import generate
     from specstore.runtime.drafters.registry import make_drafter
@@ -183,20 +178,6 @@ def generate_text(loaded, prompt: str) -> str:
     from specstore.runtime.api import generate
 
     return generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=24).text
-
-
-CODE_RECORDS = [
-    {"instruction": "Write a Python function that adds two numbers.", "output": "def add(a, b):\n    return a + b"},
-    {"instruction": "Write a Python function that reverses a string.", "output": "def reverse(s):\n    return s[::-1]"},
-    {"instruction": "Write a Python function that returns the maximum of a list.",
-     "output": "def maximum(values):\n    best = values[0]\n    for v in values:\n        if v > best:\n            best = v\n    return best"},
-]
-CHAT_RECORDS = [
-    {"messages": [{"role": "user", "content": "What is the capital of France?"},
-                  {"role": "assistant", "content": "The capital of France is Paris."}]},
-    {"messages": [{"role": "user", "content": "Give me a tip for sleeping well."},
-                  {"role": "assistant", "content": "Go to bed at the same time every night and keep your room dark and cool."}]},
-]
 
 
 @pytest.mark.model

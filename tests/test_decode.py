@@ -12,7 +12,7 @@ from specstore.runtime.decode import decode
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.sampling import Sampling
-from tests.decoding_helpers import FAMILIES, OracleDrafter, random_prompt, tiny
+from tests.decoding_helpers import FAMILIES, OracleDrafter, random_prompt, tiny_lm
 
 
 def run(model, prompt, drafter, n, eos=(), sampling=None):
@@ -21,7 +21,7 @@ def run(model, prompt, drafter, n, eos=(), sampling=None):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity_random_prompts(family):
-    model, _ = tiny(family)
+    model, _ = tiny_lm(family)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(FAMILIES.index(family))
     for trial in range(6):
@@ -42,7 +42,7 @@ def test_greedy_identity_random_prompts(family):
 
 
 def test_oracle_accepts_deep_paths():
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     prompt = list(range(100, 120))
     ref = run(model, prompt, make_drafter("ar"), 30).token_ids
     out = run(model, prompt, OracleDrafter(ref, model.config.vocab_size, num_paths=4, depth=8), 30)
@@ -52,7 +52,7 @@ def test_oracle_accepts_deep_paths():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eos_inside_a_draft_stops_where_ar_stops(family):
-    model, _ = tiny(family)
+    model, _ = tiny_lm(family)
     prompt = list(range(200, 230))
     ref = run(model, prompt, make_drafter("ar"), 25).token_ids
     k = 7
@@ -67,7 +67,7 @@ def test_eos_inside_a_draft_stops_where_ar_stops(family):
 
 @pytest.mark.parametrize("drafter", ["ar", "pld"])
 def test_max_new_tokens_zero_and_one(drafter):
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     zero = run(model, [5, 6, 7], make_drafter(drafter), 0)
     assert zero.token_ids == [] and zero.stats.steps == 0 and zero.stats.mat == 0.0
     one = run(model, [5, 6, 7, 5, 6], make_drafter(drafter), 1)
@@ -76,7 +76,7 @@ def test_max_new_tokens_zero_and_one(drafter):
 
 
 def test_bad_prompts_are_clear_errors():
-    model, _ = tiny("llama", max_position_embeddings=32)
+    model, _ = tiny_lm("llama", max_position_embeddings=32)
     with pytest.raises(SpecstoreError, match="empty"):
         run(model, [], make_drafter("ar"), 4)
     with pytest.raises(SpecstoreError, match="context is 32"):
@@ -89,7 +89,7 @@ def test_bad_prompts_are_clear_errors():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_drafts_never_run_past_the_context(family):
     ctx = 40
-    model, _ = tiny.__wrapped__(family)  # a private instance: its config is changed below
+    model, _ = tiny_lm.__wrapped__(family)  # a private instance: its config is changed below
     model.config.max_position_embeddings = ctx  # GPT-2 maps this onto n_positions
     prompt = list(range(300, 330))
     ar = run(model, prompt, make_drafter("ar"), 50)
@@ -111,7 +111,7 @@ def test_drafts_never_run_past_the_context(family):
 def test_drafters_see_the_hidden_state_and_logits_of_the_last_processed_token(family):
     """DReSD queries with ``last_hidden`` (the target's state at tokens[-2]); ReSpec reads the
     entropy of ``last_logits``. Both must equal a plain forward's, after accepted trees too."""
-    model, _ = tiny(family)
+    model, _ = tiny_lm(family)
     prompt = list(range(400, 420))
     ref = run(model, prompt, make_drafter("ar"), 16).token_ids
     seen = []

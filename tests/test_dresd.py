@@ -11,12 +11,13 @@ from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.dresd import DresdDrafter
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.forward import hidden_states
-from tests.datastore_helpers import own_output_datastore, tiny_datastore
+from tests.datastore_helpers import tiny_datastore
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    store, loaded, manifest = tiny_datastore(tmp_path_factory.mktemp("dresd"))
+def code_datastore(tiny_store):
+    """The module's ``tiny_store`` opened: ``(datastore, loaded, docs)`` with ``docs[doc_id]`` its token ids."""
+    store, loaded, manifest = tiny_store
     ds = Datastore.open(store, "code", loaded.info)
     docs = {}
     for row in store.open_table(manifest.tokens_table).to_arrow().to_pylist():
@@ -34,8 +35,8 @@ def paths(tree) -> list[list[int]]:
     return [[int(tree.tokens[i]) for i in tree.path_to(n)] for n in range(len(tree))]
 
 
-def test_query_finds_its_own_position_and_drafts_what_follows(tiny):
-    ds, loaded, docs = tiny
+def test_query_finds_its_own_position_and_drafts_what_follows(code_datastore):
+    ds, loaded, docs = code_datastore
     drafter = DresdDrafter.from_datastore(ds)
     doc = docs[0]
     for p in (3, 8, 15):
@@ -46,8 +47,8 @@ def test_query_finds_its_own_position_and_drafts_what_follows(tiny):
         assert 1 <= tree.meta["num_neighbours"] <= 10 and len(tree) <= 64
 
 
-def test_every_neighbour_agrees_with_the_pending_token(tiny):
-    ds, loaded, docs = tiny
+def test_every_neighbour_agrees_with_the_pending_token(code_datastore):
+    ds, loaded, docs = code_datastore
     drafter = DresdDrafter.from_datastore(ds, k=50, max_nodes=1000)
     tokens = docs[1][:6]
     state = live_state(loaded.model, tokens)
@@ -61,8 +62,8 @@ def test_every_neighbour_agrees_with_the_pending_token(tiny):
         assert [int(tree.tokens[i]) for i in nodes] == path
 
 
-def test_edge_cases(tiny):
-    ds, loaded, docs = tiny
+def test_edge_cases(code_datastore):
+    ds, loaded, docs = code_datastore
     drafter = DresdDrafter.from_datastore(ds, max_nodes=5)
     state = live_state(loaded.model, docs[0][:6])
     assert len(drafter.propose(state)) == 5  # node cap
@@ -79,19 +80,14 @@ def test_edge_cases(tiny):
     assert all(t >= 0 for t in tree.tokens)
 
 
-def test_continuations_must_align_with_the_index(tiny):
-    ds, _, _ = tiny
+def test_continuations_must_align_with_the_index(code_datastore):
+    ds, _, _ = code_datastore
     with pytest.raises(ValueError, match="rows but continuations"):
         DresdDrafter(ds.normaliser, ds.dense, ds.continuations[:-1])
 
 
-@pytest.fixture(scope="module")
-def own(tmp_path_factory):
-    return own_output_datastore(tmp_path_factory.mktemp("dresd-own"))
-
-
-def test_dresd_greedy_output_is_identical_to_ar_and_accepts(own):
-    store, loaded, ar = own
+def test_dresd_greedy_output_is_identical_to_ar_and_accepts(own_output_store):
+    store, loaded, ar = own_output_store
     drafter = make_drafter("dresd", Datastore.open(store, "own", loaded.info))
     mats = []
     for prompt, expected in ar.items():
@@ -103,8 +99,8 @@ def test_dresd_greedy_output_is_identical_to_ar_and_accepts(own):
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=12))
-def test_dresd_matches_ar_on_random_prompts(own, prompt):
-    store, loaded, _ = own
+def test_dresd_matches_ar_on_random_prompts(own_output_store, prompt):
+    store, loaded, _ = own_output_store
     drafter = make_drafter("dresd", Datastore.open(store, "own", loaded.info))
     ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=16)
     assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=16).token_ids == ar.token_ids

@@ -16,30 +16,23 @@ from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-OLD = [str(FIXTURES / n) for n in ("instruct.jsonl", "notes.txt")]
-NEW = [str(FIXTURES / n) for n in ("chat.jsonl", "code")]
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+OLD = [str(CORPUS_DIR / n) for n in ("instruct.jsonl", "notes.txt")]
+NEW = [str(CORPUS_DIR / n) for n in ("chat.jsonl", "code")]
 ROW_COLUMNS = ("doc_id", "position", "offset", "token_id", "continuation", "continuation_len")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def _rows(store: Store, manifest) -> dict:
     return store.open_table(manifest.tokens_table).to_arrow().sort_by("offset").to_pydict()
 
 
-def test_append_equals_a_full_build_with_the_same_normaliser(tiny, tmp_path, capsys):
+def test_append_equals_a_full_build_with_the_same_normaliser(tiny_model_dir, tmp_path, capsys):
     store = Store(tmp_path / "s", create=True)
-    parent = build(store, "a", OLD, model=tiny, **OPTIONS).manifest
+    parent = build(store, "a", OLD, model=tiny_model_dir, **BUILD_OPTIONS).manifest
     parent_files = store.files_dir("a", parent.build_id)
     # the append keeps the parent's settings even when others are given
-    appended = build(store, "a", OLD + NEW, model=tiny, mode="append", **(OPTIONS | {"pca_dims": 4})).manifest
+    appended = build(store, "a", OLD + NEW, model=tiny_model_dir, mode="append", **(BUILD_OPTIONS | {"pca_dims": 4})).manifest
     assert appended.version == 2 and appended.parent_version == 1 and appended.pca_dims == 8
     lineage = appended.lineage
     assert lineage.mode == "append" and lineage.normaliser_from == parent.build_id
@@ -48,7 +41,7 @@ def test_append_equals_a_full_build_with_the_same_normaliser(tiny, tmp_path, cap
     assert lineage.added_tokens == appended.num_tokens - parent.num_tokens
     assert [s.path for s in appended.sources] == [str(Path(p).resolve()) for p in OLD + NEW]
 
-    reference = build(Store(tmp_path / "r", create=True), "a", OLD + NEW, model=tiny, normaliser=parent_files / NORMALISER_FILE, **OPTIONS).manifest
+    reference = build(Store(tmp_path / "r", create=True), "a", OLD + NEW, model=tiny_model_dir, normaliser=parent_files / NORMALISER_FILE, **BUILD_OPTIONS).manifest
     ref_store = Store(tmp_path / "r")
     files = store.files_dir("a", appended.build_id)
     ref_files = ref_store.files_dir("a", reference.build_id)
@@ -70,13 +63,13 @@ def test_append_equals_a_full_build_with_the_same_normaliser(tiny, tmp_path, cap
 
     # nothing new to append: no new version; the CLI says so
     capsys.readouterr()
-    argv = ["build", "--store", str(store.root), "--name", "a", "--corpus", *NEW, "--model", tiny, "--append"]
+    argv = ["build", "--store", str(store.root), "--name", "a", "--corpus", *NEW, "--model", tiny_model_dir, "--append"]
     assert main(argv) == 0 and "a@2: unchanged" in capsys.readouterr().out
 
     # refit: the parent's corpus plus a new file, normaliser refitted
     extra = tmp_path / "extra.txt"
     extra.write_text("A short extra note about retrieval datastores and their versions.")
-    assert main(argv[:6] + [str(extra), "--model", tiny, "--refit", "--pca-dims", "8", "--continuation-length", "4",
+    assert main(argv[:6] + [str(extra), "--model", tiny_model_dir, "--refit", "--pca-dims", "8", "--continuation-length", "4",
                             "--batch-tokens", "256", "--max-doc-tokens", "96"]) == 0
     assert "a@3: " in capsys.readouterr().out
     refit = store.resolve("a@3").manifest
@@ -85,4 +78,4 @@ def test_append_equals_a_full_build_with_the_same_normaliser(tiny, tmp_path, cap
     refit_norm = Normaliser.load(store.files_dir("a", refit.build_id) / NORMALISER_FILE)
     assert not np.allclose(refit_norm.mean, Normaliser.load(parent_files / NORMALISER_FILE).mean)
     with pytest.raises(SpecstoreError, match="--append needs an existing version"):
-        build(store, "other", NEW, model=tiny, mode="append", **OPTIONS)
+        build(store, "other", NEW, model=tiny_model_dir, mode="append", **BUILD_OPTIONS)

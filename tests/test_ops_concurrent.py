@@ -14,9 +14,8 @@ import pytest
 
 from specstore.pipelines.build import build
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
 READER = Path(__file__).parent / "ops_reader.py"
 FLAGS = ["--pca-dims", "8", "--continuation-length", "4", "--batch-tokens", "256", "--max-doc-tokens", "96"]
 
@@ -34,19 +33,17 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 
 
 @pytest.mark.slow
-def test_reader_keeps_its_version_through_rebuild_retag_and_gc(tmp_path):
-    tiny = str(make_tiny_model(tmp_path / "model"))
+def test_reader_keeps_its_version_through_rebuild_retag_and_gc(tiny_model_dir, tmp_path):
     store = Store(tmp_path / "s", create=True)
-    build(store, "c", [str(FIXTURES / "code")], model=tiny, tag="prod", pca_dims=8, continuation_length=4,
-          batch_tokens=256, max_doc_tokens=96, progress=False)
+    build(store, "c", [str(CORPUS_DIR / "code")], model=tiny_model_dir, tag="prod", **BUILD_OPTIONS)
     log, reopen, stop = tmp_path / "log.jsonl", tmp_path / "reopen", tmp_path / "stop"
-    reader = subprocess.Popen([sys.executable, str(READER), str(store.root), "c@prod", tiny, str(log), str(reopen), str(stop)],
+    reader = subprocess.Popen([sys.executable, str(READER), str(store.root), "c@prod", tiny_model_dir, str(log), str(reopen), str(stop)],
                               env=os.environ | {"HF_HUB_OFFLINE": "1"}, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: log.exists() and log.read_text().count("\n") >= 2)
         started = time.time()
-        rebuilt = _cli("build", "--store", str(store.root), "--name", "c", "--corpus", str(FIXTURES / "code"),
-                       str(FIXTURES / "notes.txt"), "--model", tiny, *FLAGS)
+        rebuilt = _cli("build", "--store", str(store.root), "--name", "c", "--corpus", str(CORPUS_DIR / "code"),
+                       str(CORPUS_DIR / "notes.txt"), "--model", tiny_model_dir, *FLAGS)
         assert rebuilt.returncode == 0, rebuilt.stderr
         assert _cli("tag", "--store", str(store.root), "--ref", "c@2", "--tag", "prod").returncode == 0
         collected = _cli("gc", "--store", str(store.root), "--name", "c", "--keep", "1")

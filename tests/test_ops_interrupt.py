@@ -13,10 +13,7 @@ from specstore.pipelines.build import build
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.retention import collect
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
-
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
 
 class Interrupted(Exception):
@@ -34,17 +31,16 @@ STAGES = {
 }
 
 
-def test_interrupted_rebuild_at_any_stage(tmp_path, monkeypatch):
-    tiny = str(make_tiny_model(tmp_path / "model"))
+def test_interrupted_rebuild_at_any_stage(tiny_model_dir, tmp_path, monkeypatch):
     store = Store(tmp_path / "s", create=True)
-    first = build(store, "i", [str(FIXTURES / "instruct.jsonl")], model=tiny, tag="prod", **OPTIONS).manifest
-    more = [str(FIXTURES / "instruct.jsonl"), str(FIXTURES / "chat.jsonl")]
+    first = build(store, "i", [str(CORPUS_DIR / "instruct.jsonl")], model=tiny_model_dir, tag="prod", **BUILD_OPTIONS).manifest
+    more = [str(CORPUS_DIR / "instruct.jsonl"), str(CORPUS_DIR / "chat.jsonl")]
     for stage, (owner, attr) in STAGES.items():
         for mode in ("append", "full"):
             with monkeypatch.context() as patch:
                 patch.setattr(owner, attr, _fail)
                 with pytest.raises(Exception) as info:
-                    build(store, "i", more, model=tiny, mode=mode, **OPTIONS)
+                    build(store, "i", more, model=tiny_model_dir, mode=mode, **BUILD_OPTIONS)
                 assert "simulated crash" in str(info.value), stage
             assert [(v.version, v.build_id) for v in store.versions("i")] == [(1, first.build_id)], stage
             ds = Datastore.open(store, "i")  # newest complete version: every checksum verifies
@@ -53,7 +49,7 @@ def test_interrupted_rebuild_at_any_stage(tmp_path, monkeypatch):
     leftovers = {p.name for p in (store.root / "_files" / "i").iterdir()} - {first.build_id}
     assert 2 * (len(STAGES) - 1) <= len(leftovers) <= 2 * len(STAGES)
     # the next run completes the work
-    done = build(store, "i", more, model=tiny, mode="append", **OPTIONS).manifest
+    done = build(store, "i", more, model=tiny_model_dir, mode="append", **BUILD_OPTIONS).manifest
     assert done.version == 2 and done.lineage.added_sources == [str(Path(more[1]).resolve())]
     Datastore.open(store, "i@2")
     report = collect(store, "i", keep=1, grace_seconds=0)

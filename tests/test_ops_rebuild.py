@@ -4,40 +4,29 @@ new version and say so; a changed corpus creates exactly one; --force rebuilds a
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
-
-import pytest
 
 from specstore.pipelines.build import build
 from specstore.runtime.cli import main
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
-
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
-
-
-def test_unchanged_corpus_makes_no_new_version(tiny, tmp_path, capsys):
+def test_unchanged_corpus_makes_no_new_version(tiny_model_dir, tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
-    shutil.copy(FIXTURES / "instruct.jsonl", corpus)
+    shutil.copy(CORPUS_DIR / "instruct.jsonl", corpus)
     store = Store(tmp_path / "s", create=True)
-    first = build(store, "r", [str(corpus)], model=tiny, **OPTIONS)
+    first = build(store, "r", [str(corpus)], model=tiny_model_dir, **BUILD_OPTIONS)
     assert not first.unchanged and first.manifest.version == 1
-    again = build(store, "r", [str(corpus)], model=tiny, tag="prod", **OPTIONS)
+    again = build(store, "r", [str(corpus)], model=tiny_model_dir, tag="prod", **BUILD_OPTIONS)
     assert again.unchanged and again.manifest.version == 1
     assert [v.version for v in store.versions("r")] == [1] and store.resolve("r@prod").version == 1
     # the same content under another path is the same corpus
     moved = tmp_path / "moved.jsonl"
     shutil.copy(corpus, moved)
-    assert build(store, "r", [str(moved)], model=tiny, **OPTIONS).unchanged
+    assert build(store, "r", [str(moved)], model=tiny_model_dir, **BUILD_OPTIONS).unchanged
     # a changed setting or a changed corpus makes one new version
-    assert build(store, "r", [str(corpus)], model=tiny, **(OPTIONS | {"pca_dims": 4})).manifest.version == 2
-    argv = ["build", "--store", str(store.root), "--name", "r", "--corpus", str(corpus), "--model", tiny, "--pca-dims", "4",
+    assert build(store, "r", [str(corpus)], model=tiny_model_dir, **(BUILD_OPTIONS | {"pca_dims": 4})).manifest.version == 2
+    argv = ["build", "--store", str(store.root), "--name", "r", "--corpus", str(corpus), "--model", tiny_model_dir, "--pca-dims", "4",
             "--continuation-length", "4", "--batch-tokens", "256", "--max-doc-tokens", "96"]
     capsys.readouterr()
     assert main(argv) == 0

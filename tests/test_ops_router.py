@@ -14,25 +14,24 @@ from specstore.runtime.datastore import Datastore
 from specstore.runtime.models import load_model
 from specstore.runtime.router import Router
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS
 
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=512, max_doc_tokens=128, progress=False)
+OPTIONS = BUILD_OPTIONS | {"batch_tokens": 512, "max_doc_tokens": 128}
 CODE = [f"def f{i}(x, y):\n    return x * {i} + y  # {i}\n\nprint(f{i}(1, 2))\n" for i in range(12)]
 CHAT = [f"The weather on day {i} was sunny and warm, so we walked to the lake and talked for hours." for i in range(12)]
 
 
 @pytest.fixture(scope="module")
-def two_domains(tmp_path_factory):
+def two_domains(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("route")
-    tiny = str(make_tiny_model(root / "model"))
     store = Store(root / "s", create=True)
     for name, texts in (("code", CODE), ("chat", CHAT)):
         folder = root / name
         folder.mkdir()
         for i, text in enumerate(texts[:-2]):  # the last two of each domain are held out
             (folder / f"{i:02d}.{'py' if name == 'code' else 'txt'}").write_text(text)
-        build(store, name, [str(folder)], model=tiny, fmt="code-dir", tag="prod", **OPTIONS)
-    return store, tiny
+        build(store, name, [str(folder)], model=tiny_model_dir, fmt="code-dir", tag="prod", **OPTIONS)
+    return store, tiny_model_dir
 
 
 def test_router_scores_by_the_definition(two_domains):
@@ -46,8 +45,8 @@ def test_router_scores_by_the_definition(two_domains):
     from specstore.runtime.forward import hidden_states
     from specstore.runtime.router import content_span
 
-    store, tiny = two_domains
-    loaded = load_model(tiny, dtype="float32")
+    store, model_dir = two_domains
+    loaded = load_model(model_dir, dtype="float32")
     opened = [Datastore.open(store, ref, loaded.info, dense=False) for ref in ("code@prod", "chat@prod")]
     router = Router(opened)
     template = prompt_ids(loaded.tokenizer, "")
@@ -67,9 +66,9 @@ def test_router_scores_by_the_definition(two_domains):
 
 
 def test_cli_reports_the_datastore_it_used(two_domains, capsys):
-    store, tiny = two_domains
+    store, model_dir = two_domains
     capsys.readouterr()
-    argv = ["generate", "--store", str(store.root), "--datastore", "code@prod,chat@prod", "--method", "rest", "--model", tiny,
+    argv = ["generate", "--store", str(store.root), "--datastore", "code@prod,chat@prod", "--method", "rest", "--model", model_dir,
             "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "8", "--json", "--prompt"]
     for prompt in (CHAT[-1], CODE[-1]):
         assert main(argv + [prompt]) == 0

@@ -4,8 +4,6 @@ DirectRunner builds the same content as one process."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -19,11 +17,9 @@ from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.sharded_suffix import ShardedSuffixIndex, shard_files
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SuffixIndex, build_suffix_array, join_documents
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-CORPUS = [str(FIXTURES / n) for n in ("instruct.jsonl", "chat.jsonl", "notes.txt", "code")]
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+CORPUS = [str(CORPUS_DIR / n) for n in ("instruct.jsonl", "chat.jsonl", "notes.txt", "code")]
 
 
 def _index(docs) -> SuffixIndex:
@@ -59,15 +55,15 @@ def _rows(store: Store, m) -> dict:
     return store.open_table(m.tokens_table).to_arrow().sort_by("offset").to_pydict()
 
 
-def _compare_builds(tiny, tmp_path, **sharded_options):
+def _compare_builds(tiny_model_dir, tmp_path, **sharded_options):
     store = Store(tmp_path / "s", create=True)
-    one = build(store, "one", CORPUS, model=tiny, **OPTIONS).manifest
-    two = build(store, "two", CORPUS, model=tiny, sa_shard_tokens=120, **OPTIONS, **sharded_options).manifest
+    one = build(store, "one", CORPUS, model=tiny_model_dir, **BUILD_OPTIONS).manifest
+    two = build(store, "two", CORPUS, model=tiny_model_dir, sa_shard_tokens=120, **BUILD_OPTIONS, **sharded_options).manifest
     a, b = _rows(store, one), _rows(store, two)
     for column in ("doc_id", "position", "offset", "token_id", "continuation", "continuation_len"):
         assert a[column] == b[column], column
     np.testing.assert_allclose(np.asarray(a["embedding"]), np.asarray(b["embedding"]), atol=1e-5)
-    info = load_model(tiny, dtype="float32").info
+    info = load_model(tiny_model_dir, dtype="float32").info
     ds_one, ds_two = Datastore.open(store, "one", info), Datastore.open(store, "two", info)
     assert isinstance(ds_two.suffix, ShardedSuffixIndex) and len(ds_two.suffix.shards) > 2
     assert sum(k.endswith("suffix_array.npy") for k in two.files) == len(ds_two.suffix.shards)
@@ -76,32 +72,27 @@ def _compare_builds(tiny, tmp_path, **sharded_options):
     docs = [np.asarray(d, dtype=np.int32) for d in np.split(stream, np.flatnonzero(stream == -1) + 1) if len(d) > 1]
     docs = [d[d >= 0] for d in docs]
     _same_answers(ds_one.suffix, ds_two.suffix, docs, np.random.default_rng(1))
-    loaded = load_model(tiny, dtype="float32")
+    loaded = load_model(tiny_model_dir, dtype="float32")
     for prompt in ("Write a function that adds two numbers.", "def add(a, b):"):
         want = generate(loaded.model, loaded.tokenizer, prompt, make_drafter("rest", ds_one), 24).token_ids
         assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter("rest", ds_two), 24).token_ids == want
     return store
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+def test_sharded_build_equals_one_array(tiny_model_dir, tmp_path):
+    _compare_builds(tiny_model_dir, tmp_path)
 
 
-def test_sharded_build_equals_one_array(tiny, tmp_path):
-    _compare_builds(tiny, tmp_path)
-
-
-def test_append_onto_shards_equals_a_full_sharded_build(tiny, tmp_path):
+def test_append_onto_shards_equals_a_full_sharded_build(tiny_model_dir, tmp_path):
     store = Store(tmp_path / "s", create=True)
-    parent = build(store, "p", CORPUS[:2], model=tiny, sa_shard_tokens=150, **OPTIONS).manifest
+    parent = build(store, "p", CORPUS[:2], model=tiny_model_dir, sa_shard_tokens=150, **BUILD_OPTIONS).manifest
     parent_files = store.files_dir("p", parent.build_id)
     with pytest.raises(SpecstoreError, match="keeps the parent's suffix-array layout"):
-        build(store, "p", CORPUS, model=tiny, mode="append", sa_shard_tokens=500, **OPTIONS)
-    appended = build(store, "p", CORPUS, model=tiny, mode="append", **OPTIONS).manifest
+        build(store, "p", CORPUS, model=tiny_model_dir, mode="append", sa_shard_tokens=500, **BUILD_OPTIONS)
+    appended = build(store, "p", CORPUS, model=tiny_model_dir, mode="append", **BUILD_OPTIONS).manifest
     assert appended.settings["sa_shard_tokens"] == 150 and appended.lineage.added_documents > 0
-    reference = build(Store(tmp_path / "r", create=True), "p", CORPUS, model=tiny, sa_shard_tokens=150,
-                      normaliser=parent_files / NORMALISER_FILE, **OPTIONS).manifest
+    reference = build(Store(tmp_path / "r", create=True), "p", CORPUS, model=tiny_model_dir, sa_shard_tokens=150,
+                      normaliser=parent_files / NORMALISER_FILE, **BUILD_OPTIONS).manifest
     files, ref_files = store.files_dir("p", appended.build_id), Store(tmp_path / "r").files_dir("p", reference.build_id)
     names = sorted(str(f.relative_to(files)) for f in shard_files(files))
     assert names == sorted(str(f.relative_to(ref_files)) for f in shard_files(ref_files)) and len(names) > len(shard_files(parent_files))
@@ -118,5 +109,5 @@ def test_append_onto_shards_equals_a_full_sharded_build(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_multi_processing_sharded_build_equals_single_process(tiny, tmp_path):
-    _compare_builds(tiny, tmp_path, beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
+def test_multi_processing_sharded_build_equals_single_process(tiny_model_dir, tmp_path):
+    _compare_builds(tiny_model_dir, tmp_path, beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"])

@@ -29,28 +29,21 @@ from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.store import Store
 from specstore.runtime.suffix_array import SuffixIndex
 from specstore.schemas.tables import PAD_TOKEN
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-CORPUS = [str(FIXTURES / n) for n in ("instruct.jsonl", "chat.jsonl", "notes.txt", "code")]
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=96, progress=False)
+CORPUS = [str(CORPUS_DIR / n) for n in ("instruct.jsonl", "chat.jsonl", "notes.txt", "code")]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
-
-
-@pytest.fixture(scope="module")
-def built(tiny, tmp_path_factory):
+def built(tiny_model_dir, tmp_path_factory):
     """A store with version 1 built from the fixture corpus through a TestPipeline."""
     store = Store(tmp_path_factory.mktemp("store") / "s", create=True)
-    result = build(store, "fix", CORPUS, model=tiny, test_pipeline=BeamTestPipeline(), **OPTIONS)
+    result = build(store, "fix", CORPUS, model=tiny_model_dir, test_pipeline=BeamTestPipeline(), **BUILD_OPTIONS)
     return store, result
 
 
-def _expected_documents(tiny: str) -> list[Document]:
-    loaded = load_model(tiny, dtype="float32")
+def _expected_documents(tiny_model_dir: str) -> list[Document]:
+    loaded = load_model(tiny_model_dir, dtype="float32")
     docs = []
     for source in resolve_sources(CORPUS):
         for record in read_records(source):
@@ -58,10 +51,10 @@ def _expected_documents(tiny: str) -> list[Document]:
     return docs
 
 
-def test_graph_under_test_pipeline(tiny, tmp_path):
+def test_graph_under_test_pipeline(tiny_model_dir, tmp_path):
     store = Store(tmp_path / "s", create=True)
-    plan = plan_build(store, "fix", CORPUS, model=tiny, **OPTIONS)
-    expected = _expected_documents(tiny)
+    plan = plan_build(store, "fix", CORPUS, model=tiny_model_dir, **BUILD_OPTIONS)
+    expected = _expected_documents(tiny_model_dir)
     with BeamTestPipeline() as p:
         out = expand_build(p, plan)
         assert_that(out.documents | beam.Map(lambda d: (d.doc_id, len(d.tokens))), equal_to([(d.doc_id, len(d.tokens)) for d in expected]))
@@ -75,7 +68,7 @@ def test_graph_under_test_pipeline(tiny, tmp_path):
     assert not store.versions("fix")  # the pipeline alone commits nothing
 
 
-def test_rows_match_stream_and_suffix_array(built, tiny):
+def test_rows_match_stream_and_suffix_array(built, tiny_model_dir):
     store, result = built
     m = result.manifest
     assert m.version == 1 and m.num_rejected == 0
@@ -91,7 +84,7 @@ def test_rows_match_stream_and_suffix_array(built, tiny):
     starts = [o for o, p in zip(rows["offset"], rows["position"], strict=True) if p == 0]
     doc_ids = [d for d, p in zip(rows["doc_id"], rows["position"], strict=True) if p == 0]
     assert doc_ids == sorted(doc_ids) and len(doc_ids) == m.num_documents
-    expected = _expected_documents(tiny)
+    expected = _expected_documents(tiny_model_dir)
     assert [d.doc_id for d in expected] == doc_ids
     for d, start in zip(expected, starts, strict=True):
         assert stream[start : start + len(d.tokens)].tolist() == d.tokens.tolist()
@@ -109,33 +102,33 @@ def test_rows_match_stream_and_suffix_array(built, tiny):
             assert index.positions(g).tolist() == brute.tolist()
 
 
-def test_embeddings_equal_a_fresh_forward(built, tiny):
+def test_embeddings_equal_a_fresh_forward(built, tiny_model_dir):
     store, result = built
     m = result.manifest
     normaliser = Normaliser.load(store.files_dir("fix", m.build_id) / NORMALISER_FILE)
     assert normaliser.dims == 8
-    model = load_model(tiny, dtype="float32").model
+    model = load_model(tiny_model_dir, dtype="float32").model
     table = store.open_table(m.tokens_table).to_arrow().sort_by("offset").to_pydict()
     emb = np.asarray(table["embedding"])
-    for d in _expected_documents(tiny):
+    for d in _expected_documents(tiny_model_dir):
         sel = np.asarray(table["doc_id"]) == d.doc_id
         fresh = normaliser.apply(hidden_states(model, torch.tensor([d.tokens.tolist()]))[0].numpy())
         np.testing.assert_allclose(emb[sel], fresh, atol=2e-4)
     np.testing.assert_allclose(m.domain_centroid, emb.mean(axis=0), atol=1e-5)
 
 
-def test_second_version_tags_and_cli(built, tiny, capsys):
+def test_second_version_tags_and_cli(built, tiny_model_dir, capsys):
     store, first = built
     assert Datastore.open(store, "fix", dense=False).record.version == 1
     store.set_tag("fix@1", "stable")
-    code = main(["build", "--store", str(store.root), "--name", "fix", "--corpus", CORPUS[0], CORPUS[2], "--model", tiny,
+    code = main(["build", "--store", str(store.root), "--name", "fix", "--corpus", CORPUS[0], CORPUS[2], "--model", tiny_model_dir,
                  "--pca-dims", "8", "--continuation-length", "4", "--tag", "prod", "--direct_num_workers=1"])
     assert code == 0
     assert "fix@2 (tag prod)" in capsys.readouterr().out
     assert [v.version for v in store.versions("fix")] == [1, 2]
     assert store.resolve("fix@prod").version == 2 and store.resolve("fix@stable").version == 1
     assert store.resolve("fix").version == 2
-    info = load_model(tiny, dtype="float32").info
+    info = load_model(tiny_model_dir, dtype="float32").info
     old = Datastore.open(store, "fix@1", info)  # its own files, all checksums verified
     assert old.manifest.build_id == first.manifest.build_id and len(old.continuations) == first.manifest.num_tokens
     assert len(old.suffix) == first.manifest.num_tokens + first.manifest.num_documents
@@ -143,7 +136,7 @@ def test_second_version_tags_and_cli(built, tiny, capsys):
     assert new.manifest.parent_version == 1 and new.manifest.num_documents < first.manifest.num_documents
 
 
-def test_bad_input_is_rejected_with_reasons(tiny, tmp_path):
+def test_bad_input_is_rejected_with_reasons(tiny_model_dir, tmp_path):
     good = [{"instruction": f"Question {i}?", "output": f"Answer {i}."} for i in range(3)]
     lines = [json.dumps(good[0]).encode(), b'{"instruction": "cut', json.dumps({"instruction": "", "output": "x"}).encode(),
              json.dumps(good[1]).encode(), b'{"instruction": "caf\xe9", "output": "x"}',
@@ -151,7 +144,7 @@ def test_bad_input_is_rejected_with_reasons(tiny, tmp_path):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_bytes(b"\n".join(lines) + b"\n")
     (tmp_path / "empty.txt").write_text("  \n")
-    result = build(tmp_path / "s", "bad", [str(corpus), str(tmp_path / "empty.txt")], model=tiny, **OPTIONS)
+    result = build(tmp_path / "s", "bad", [str(corpus), str(tmp_path / "empty.txt")], model=tiny_model_dir, **BUILD_OPTIONS)
     m = result.manifest
     assert (m.num_documents, m.num_rejected) == (3, 6)
     assert [(s.num_records, s.num_rejected) for s in m.sources] == [(8, 5), (1, 1)]
@@ -176,19 +169,19 @@ def _cli_error(capsys, argv) -> str:
     return lines[0]
 
 
-def test_user_errors_are_one_line(tiny, tmp_path, capsys):
-    base = ["build", "--store", str(tmp_path / "s"), "--name", "x", "--pca-dims", "8", "--model", tiny]
+def test_user_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
+    base = ["build", "--store", str(tmp_path / "s"), "--name", "x", "--pca-dims", "8", "--model", tiny_model_dir]
     assert "does not exist" in _cli_error(capsys, base + ["--corpus", str(tmp_path / "missing.jsonl")])
     blocker = tmp_path / "file"
     blocker.write_text("")
-    err = _cli_error(capsys, ["build", "--store", str(blocker / "s"), "--name", "x", "--corpus", CORPUS[0], "--model", tiny])
+    err = _cli_error(capsys, ["build", "--store", str(blocker / "s"), "--name", "x", "--corpus", CORPUS[0], "--model", tiny_model_dir])
     assert "not writable" in err
     assert "not a local Hugging Face model folder" in _cli_error(capsys, base[:-1] + [str(tmp_path), "--corpus", CORPUS[0]])
     with pytest.raises(SystemExit) as exc:  # argparse refuses an unknown --format before any work
         main(base + ["--corpus", CORPUS[0], "--format", "yaml"])
     assert exc.value.code == 2
     with pytest.raises(SpecstoreError, match="unknown corpus format 'yaml'"):
-        build(tmp_path / "s", "x", [CORPUS[0]], fmt="yaml", model=tiny)
+        build(tmp_path / "s", "x", [CORPUS[0]], fmt="yaml", model=tiny_model_dir)
     shutil.rmtree(tmp_path / "s", ignore_errors=True)
     all_bad = tmp_path / "none.jsonl"
     all_bad.write_text("{oops\n")

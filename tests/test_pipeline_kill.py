@@ -15,15 +15,9 @@ import pytest
 from specstore.pipelines.build import build
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+OPTIONS = {k: v for k, v in BUILD_OPTIONS.items() if k != "max_doc_tokens"}  # documents as long as the default allows
 
 
 def _big_corpus(folder: Path, num_files: int = 400) -> Path:
@@ -34,13 +28,13 @@ def _big_corpus(folder: Path, num_files: int = 400) -> Path:
     return folder
 
 
-def test_killed_build_leaves_previous_version_intact(tiny, tmp_path):
+def test_killed_build_leaves_previous_version_intact(tiny_model_dir, tmp_path):
     store = Store(tmp_path / "s", create=True)
-    first = build(store, "k", [str(FIXTURES / "instruct.jsonl")], model=tiny, **OPTIONS).manifest
+    first = build(store, "k", [str(CORPUS_DIR / "instruct.jsonl")], model=tiny_model_dir, **OPTIONS).manifest
     catalogue_before = [(v.version, v.build_id) for v in store.versions("k")]
     corpus = _big_corpus(tmp_path / "big")
     cmd = [sys.executable, "-m", "specstore.runtime.cli", "build", "--store", str(store.root), "--name", "k",
-           "--corpus", str(corpus), "--format", "code-dir", "--model", tiny, "--pca-dims", "8", "--batch-tokens", "64"]
+           "--corpus", str(corpus), "--format", "code-dir", "--model", tiny_model_dir, "--pca-dims", "8", "--batch-tokens", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     files_root = store.root / "_files" / "k"
     deadline = time.monotonic() + 120
@@ -64,11 +58,11 @@ def test_killed_build_leaves_previous_version_intact(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_multi_processing_runner_gives_the_same_rows(tiny, tmp_path):
-    corpus = [str(FIXTURES / n) for n in ("instruct.jsonl", "notes.txt", "code")]
+def test_multi_processing_runner_gives_the_same_rows(tiny_model_dir, tmp_path):
+    corpus = [str(CORPUS_DIR / n) for n in ("instruct.jsonl", "notes.txt", "code")]
     store = Store(tmp_path / "s", create=True)
-    one = build(store, "mp", corpus, model=tiny, **OPTIONS).manifest
-    two = build(store, "mp", corpus, model=tiny, beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"], **OPTIONS).manifest
+    one = build(store, "mp", corpus, model=tiny_model_dir, **OPTIONS).manifest
+    two = build(store, "mp", corpus, model=tiny_model_dir, beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"], **OPTIONS).manifest
     assert (two.num_documents, two.num_tokens) == (one.num_documents, one.num_tokens)
     a = store.open_table(one.tokens_table).to_arrow().sort_by("offset")
     b = store.open_table(two.tokens_table).to_arrow().sort_by("offset")

@@ -26,14 +26,13 @@ class _Recorder(tqdm.tqdm):
         return super().update(n)
 
 
-def test_bars_have_totals_and_reach_them(tmp_path, monkeypatch):
-    tiny = str(make_tiny_model(tmp_path / "model"))
+def test_bars_have_totals_and_reach_them(tiny_model_dir, tmp_path, monkeypatch):
     corpus = tmp_path / "q.jsonl"
     rows = [{"turns": [f"Question number {i}, " + "and more " * i]} for i in range(7)] + [{"broken": True}]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
     monkeypatch.setattr(tqdm, "tqdm", _Recorder)
     _Recorder.bars = []
-    result = build(tmp_path / "s", "p", [str(corpus)], model=tiny, regenerate=True, max_new_tokens=5, pca_dims=4,
+    result = build(tmp_path / "s", "p", [str(corpus)], model=tiny_model_dir, regenerate=True, max_new_tokens=5, pca_dims=4,
                    batch_tokens=128, progress=True)
     m = result.manifest
     bars = {b.desc: b for b in _Recorder.bars}
@@ -60,14 +59,14 @@ def test_in_process_build_loads_the_model_once(tmp_path, monkeypatch):
     use: one load per build, not two."""
     from specstore.runtime import models
 
-    tiny = str(make_tiny_model(tmp_path / "model"))
+    model_dir = str(make_tiny_model(tmp_path / "model"))  # its own folder: no cached load of a shared one to find
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": f"{i} " * (i + 2)}) + "\n" for i in range(6)))
     loads = []
     real = models.load_model
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
-    first = build(tmp_path / "s", "once", [str(corpus)], model=tiny, pca_dims=4, progress=False)
+    first = build(tmp_path / "s", "once", [str(corpus)], model=model_dir, pca_dims=4, progress=False)
     assert len(loads) == 1 and first.manifest.num_documents == 6
     # the fingerprint is the one a separate load gives: an unchanged rebuild is recognised
-    assert first.manifest.model == real(tiny, dtype="float32").info
-    assert build(tmp_path / "s", "once", [str(corpus)], model=tiny, pca_dims=4, progress=False).unchanged
+    assert first.manifest.model == real(model_dir, dtype="float32").info
+    assert build(tmp_path / "s", "once", [str(corpus)], model=model_dir, pca_dims=4, progress=False).unchanged

@@ -11,19 +11,17 @@ from specstore.pipelines.build import build
 from specstore.pipelines.embed import generate_responses
 from specstore.runtime.models import load_model
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
 
 
-def test_regenerated_documents_are_the_models_greedy_answers(tmp_path):
-    tiny = str(make_tiny_model(tmp_path / "model"))
+def test_regenerated_documents_are_the_models_greedy_answers(tiny_model_dir, tmp_path):
     corpus = tmp_path / "q.jsonl"
     rows = [{"turns": ["Name a colour."]}, {"instruction": "Say something long about the sea and the sky.", "output": "ignored"},
             {"turns": ["Hi"]}]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = build(tmp_path / "s", "id", [str(corpus)], model=tiny, regenerate=True, max_new_tokens=6, pca_dims=4, progress=False)
+    result = build(tmp_path / "s", "id", [str(corpus)], model=tiny_model_dir, regenerate=True, max_new_tokens=6, pca_dims=4, progress=False)
     m = result.manifest
     assert m.regenerated and (m.num_documents, m.num_rejected) == (3, 0)
-    loaded = load_model(tiny, dtype="float32")
+    loaded = load_model(tiny_model_dir, dtype="float32")
     data = Store(tmp_path / "s").open_table(m.tokens_table).to_arrow().sort_by("offset").to_pydict()
     docs = {}
     for d, t in zip(data["doc_id"], data["token_id"], strict=True):

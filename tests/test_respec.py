@@ -20,7 +20,6 @@ from specstore.runtime.relaxed import RelaxedRule, accept_relaxed
 from specstore.runtime.sampling import Sampling
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier, VerifyResult
-from tests.datastore_helpers import own_output_datastore
 
 V = 50
 
@@ -148,14 +147,9 @@ def test_draft_length_follows_the_score():
         ReSpecConfig(length_factor=-1)
 
 
-@pytest.fixture(scope="module")
-def own(tmp_path_factory):
-    return own_output_datastore(tmp_path_factory.mktemp("respec-own"))
-
-
 @pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf}, {"entropy_threshold": math.inf, "length_factor": 0.0}])
-def test_respec_greedy_output_is_identical_to_ar_and_accepts(own, options):
-    store, loaded, ar = own
+def test_respec_greedy_output_is_identical_to_ar_and_accepts(own_output_store, options):
+    store, loaded, ar = own_output_store
     drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), **options)
     assert drafter.lossless
     retrieved = 0
@@ -211,18 +205,18 @@ def test_respec_on_a_sharded_datastore_is_identical_to_ar(sharded):
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=12), threshold=st.sampled_from([0.5, 3.0, math.inf]))
-def test_respec_matches_ar_on_random_prompts(own, prompt, threshold):
-    store, loaded, _ = own
+def test_respec_matches_ar_on_random_prompts(own_output_store, prompt, threshold):
+    store, loaded, _ = own_output_store
     drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), entropy_threshold=threshold)
     ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=16)
     assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=16).token_ids == ar.token_ids
 
 
-def test_model_fallback_is_identical_to_ar_and_strict(own, tmp_path):
+def test_model_fallback_is_identical_to_ar_and_strict(own_output_store, tmp_path):
     from specstore.runtime.models import load_model
     from tests.helpers import make_tiny_model
 
-    store, loaded, ar = own
+    store, loaded, ar = own_output_store
     draft = load_model(str(make_tiny_model(tmp_path / "draft", seed=3)), dtype="float32", device="cpu").model
     drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), entropy_threshold=0.0,
                            relaxed="on", fallback=ModelDrafter(draft))
@@ -323,8 +317,8 @@ def test_accept_relaxed_on_crafted_logits():
     assert not any(sampled[2])
 
 
-def test_relaxed_off_verifier_result_has_no_flags(own):
-    _, loaded, _ = own
+def test_relaxed_off_verifier_result_has_no_flags(own_output_store):
+    _, loaded, _ = own_output_store
     verifier = TreeVerifier(loaded.model)
     out = verifier.prefill([1, 2, 3])
     step = verifier.step(out.bonus, DraftTree.chain([4, 5]))
@@ -350,10 +344,10 @@ def test_cli_generate_parser_has_respec_options():
         registry.options_from_args("respec", args)
 
 
-def test_unknown_option_and_missing_datastore_are_one_line_errors(own):
+def test_unknown_option_and_missing_datastore_are_one_line_errors(own_output_store):
     from specstore.runtime.errors import SpecstoreError
 
-    store, loaded, _ = own
+    store, loaded, _ = own_output_store
     with pytest.raises(SpecstoreError, match="needs a datastore"):
         make_drafter("respec")
     with pytest.raises(SpecstoreError, match="unknown respec option 'entropy'"):
@@ -368,7 +362,7 @@ def test_default_model_pipeline_datastore_respec_identical_to_ar_float32(tmp_pat
     """The real default model, float32, a code datastore built by the pipeline: respec (relaxed
     off, default thresholds and an always-on trigger) decodes exactly what ar decodes."""
     from specstore.runtime.models import load_model
-    from tests.test_datastore import CODE_RECORDS, pipeline_store
+    from tests.datastore_helpers import CODE_RECORDS, pipeline_store
 
     loaded = load_model(None, dtype="float32", device="cpu")
     pipeline_store(tmp_path, None, CODE_RECORDS, "code")

@@ -3,7 +3,6 @@
 from collections import Counter
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +12,6 @@ from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.drafters.rest import RestConfig, RestDrafter, prefix_tree
 from specstore.runtime.suffix_array import SEPARATOR, SuffixIndex, build_suffix_array, join_documents
-from tests.datastore_helpers import own_output_datastore
 
 
 def index_of(docs) -> SuffixIndex:
@@ -104,13 +102,8 @@ def test_rest_caps_nodes_and_matches_deterministically():
     assert np.array_equal(tree.tokens, again.tokens) and np.array_equal(tree.parents, again.parents)
 
 
-@pytest.fixture(scope="module")
-def own(tmp_path_factory):
-    return own_output_datastore(tmp_path_factory.mktemp("rest"))
-
-
-def test_rest_greedy_output_is_identical_to_ar_and_accepts(own):
-    store, loaded, ar = own
+def test_rest_greedy_output_is_identical_to_ar_and_accepts(own_output_store):
+    store, loaded, ar = own_output_store
     drafter = make_drafter("rest", Datastore.open(store, "own", loaded.info, dense=False))
     mats = []
     for prompt, expected in ar.items():
@@ -122,8 +115,8 @@ def test_rest_greedy_output_is_identical_to_ar_and_accepts(own):
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, 49151), min_size=1, max_size=12))
-def test_rest_matches_ar_on_random_prompts(own, prompt):
-    store, loaded, _ = own
+def test_rest_matches_ar_on_random_prompts(own_output_store, prompt):
+    store, loaded, _ = own_output_store
     drafter = make_drafter("rest", Datastore.open(store, "own", loaded.info, dense=False))
     ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=16)
     assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=16).token_ids == ar.token_ids

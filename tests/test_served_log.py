@@ -6,7 +6,6 @@ bare name to the appended version."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -18,10 +17,9 @@ from specstore.runtime.datastore import Datastore
 from specstore.runtime.models import load_model
 from specstore.runtime.served_log import ServedLog, read_served, served_record
 from specstore.runtime.store import Store
-from tests.helpers import make_tiny_model
+from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
-FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
-OPTIONS = dict(pca_dims=8, continuation_length=4, batch_tokens=256, max_doc_tokens=256, progress=False)
+OPTIONS = BUILD_OPTIONS | {"max_doc_tokens": 256}
 
 
 def test_records_and_a_half_written_line(tmp_path):
@@ -42,12 +40,11 @@ def test_records_and_a_half_written_line(tmp_path):
     assert detect_format(path) == "chat-jsonl" and log.num_written == 2
 
 
-def test_served_log_round_trips_through_build_append(tmp_path):
-    tiny = str(make_tiny_model(tmp_path / "model"))
+def test_served_log_round_trips_through_build_append(tiny_model_dir, tmp_path):
     store = Store(tmp_path / "store", create=True)
-    first = build(store, "chat", [str(FIXTURES / "instruct.jsonl")], model=tiny, **OPTIONS).manifest
+    first = build(store, "chat", [str(CORPUS_DIR / "instruct.jsonl")], model=tiny_model_dir, **OPTIONS).manifest
     log_path = tmp_path / "served.jsonl"
-    engine = Engine(load_model(tiny, dtype="float32", device="cpu"), store, "chat", method="rest", log=log_path, refresh_seconds=None)
+    engine = Engine(load_model(tiny_model_dir, dtype="float32", device="cpu"), store, "chat", method="rest", log=log_path, refresh_seconds=None)
     served = [
         engine.generate("Name three colours.", max_new_tokens=12),
         engine.generate([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}], max_new_tokens=12),
@@ -65,7 +62,7 @@ def test_served_log_round_trips_through_build_append(tmp_path):
     with open(log_path, "ab") as handle:  # the engine crashed while writing a fourth line
         handle.write(b'{"messages": [{"role": "user", "content": "Name a')
 
-    argv = ["build", "--store", str(store.root), "--name", "chat", "--corpus", str(log_path), "--model", tiny, "--append"]
+    argv = ["build", "--store", str(store.root), "--name", "chat", "--corpus", str(log_path), "--model", tiny_model_dir, "--append"]
     assert main(argv) == 0
     appended = store.resolve("chat").manifest
     assert appended.version == 2 and appended.lineage.mode == "append"

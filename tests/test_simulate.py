@@ -12,7 +12,7 @@ from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.sampling import Sampling
 from specstore.runtime.tree import DraftTree
-from tests.decoding_helpers import OracleDrafter, tiny
+from tests.decoding_helpers import OracleDrafter, tiny_lm
 
 
 class Recorder(OracleDrafter):
@@ -47,7 +47,7 @@ def _same_run(model, prompt, max_new, eos=(), context=None, depth=8):
 
 
 def test_replay_equals_decoding_when_ar_stops_on_eos():
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     prompt = list(range(200, 230))
     ref = decode(model, prompt, make_drafter("ar"), 25, Sampling()).token_ids
     ar = _same_run(model, prompt, 25, eos={ref[9]})
@@ -55,13 +55,13 @@ def test_replay_equals_decoding_when_ar_stops_on_eos():
 
 
 def test_replay_equals_decoding_at_max_new_tokens():
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     ar = _same_run(model, list(range(100, 120)), 30)
     assert ar.stop_reason == "length"
 
 
 def test_replay_equals_decoding_at_the_context_limit():
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     ar = _same_run(model, list(range(300, 330)), 50, context=40)
     assert ar.stop_reason == "context" and len(ar.token_ids) == 10
 

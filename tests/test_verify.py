@@ -13,7 +13,7 @@ from specstore.runtime.relaxed import RelaxedRule
 from specstore.runtime.sampling import Sampling
 from specstore.runtime.tree import DraftTree, clip_depth
 from specstore.runtime.verify import TreeVerifier, ancestor_matrix, tree_attention_inputs
-from tests.decoding_helpers import FAMILIES, tiny
+from tests.decoding_helpers import FAMILIES, tiny_lm
 
 CASES = [(f, "sdpa") for f in FAMILIES] + [("llama", "eager"), ("gpt2", "eager")]
 
@@ -84,7 +84,7 @@ def test_clip_depth_keeps_every_per_node_field_consistent():
 
 @pytest.mark.parametrize("family,attn", CASES)
 def test_tree_logits_match_per_path_forward(family, attn):
-    model, _ = tiny(family, attn)
+    model, _ = tiny_lm(family, attn)
     rng = np.random.default_rng(1)
     vocab = model.config.vocab_size
     for num_nodes in (1, 5, 12):
@@ -117,7 +117,7 @@ def plain_cache(model, ids: list[int]) -> DynamicCache:
 @pytest.mark.parametrize("family,attn", CASES)
 @pytest.mark.parametrize("fallback", [False, True])
 def test_step_accepts_path_and_cache_equals_plain_decoding(family, attn, fallback):
-    model, _ = tiny(family, attn)
+    model, _ = tiny_lm(family, attn)
     rng = np.random.default_rng(2)
     vocab = model.config.vocab_size
     prompt = rng.integers(3, vocab, size=9).tolist()
@@ -146,7 +146,7 @@ def test_step_accepts_path_and_cache_equals_plain_decoding(family, attn, fallbac
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rejected_tree_keeps_only_pending(family):
-    model, _ = tiny(family)
+    model, _ = tiny_lm(family)
     prompt = list(range(5, 15))
     verifier = TreeVerifier(model)
     pending = verifier.prefill(prompt).bonus
@@ -196,7 +196,7 @@ class SpyRule:
 def test_acceptance_rule_is_an_explicit_argument(fallback):
     """A relaxed rule given to ``step`` accepts a near miss the sampling rule refuses; the same
     rule left in ``tree.meta`` (where it used to be read from) changes nothing."""
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     prompt = list(range(30, 45))
     pending = int(plain_logits(model, prompt).argmax())
 
@@ -226,7 +226,7 @@ def test_decode_passes_the_drafters_acceptance_rule():
     from specstore.runtime.decode import decode
     from tests.decoding_helpers import OracleDrafter
 
-    model, _ = tiny("llama")
+    model, _ = tiny_lm("llama")
     prompt = list(range(50, 70))
     ref = greedy_reference(model, prompt, 12)
     drafter = OracleDrafter(ref, model.config.vocab_size, depth=4)
