@@ -72,6 +72,17 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_tag)
 
     p = sub.add_parser(
+        "verify",
+        help="check every file of a version against its manifest's checksums",
+        description="Hash every file of NAME@VERSION and compare it with the checksum its manifest recorded at build "
+        "(opening a version only checks sizes and headers). Prints one line and exits 0 when all match; otherwise one "
+        "error line naming the missing or damaged file, exit 2.",
+    )
+    _add_store(p)
+    p.add_argument("--ref", required=True, metavar="NAME@VERSION", help="NAME, NAME@VERSION or NAME@TAG")
+    p.set_defaults(handler=_cmd_verify)
+
+    p = sub.add_parser(
         "gc",
         help="remove old untagged versions and unfinished builds",
         description="Keep the newest N versions and every tagged one; remove the others (catalogue rows and files) and the "
@@ -224,6 +235,12 @@ def _cmd_tag(args: argparse.Namespace, extra: list[str]) -> int:
     record = Store(args.store).set_tag(args.ref, args.tag)
     print(f"{record.name}@{args.tag} -> version {record.version}")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.runtime.cli_verify import run_verify
+
+    return run_verify(args)
 
 
 def _cmd_gc(args: argparse.Namespace, extra: list[str]) -> int:
