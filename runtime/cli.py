@@ -14,6 +14,13 @@ import sys
 
 from specstore.runtime.errors import SpecstoreError
 
+# the build's --dtype help (runtime/device.resolve_build_dtype decides; not imported here: it imports torch)
+BUILD_DTYPE_HELP = (
+    "model dtype for embedding; default auto: bfloat16 on a CUDA GPU or a CPU with native bf16 "
+    "(amx_bf16 or avx512_bf16 in /proc/cpuinfo; ~6x faster builds there), float32 elsewhere. "
+    "The resolved dtype is recorded in the manifest's settings"
+)
+
 
 def _add_store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, metavar="DIR", help="store directory (a LanceDB database)")
@@ -49,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pca-dims", type=int, default=64, metavar="D", help="embedding dimensions after PCA (default 64)")
     p.add_argument("--continuation-length", type=int, default=10, metavar="L", help="stored next tokens per position (default 10)")
     p.add_argument("--batch-tokens", type=int, default=4096, metavar="N", help="tokens per embedding batch (default 4096)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype for embedding (default float32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help=BUILD_DTYPE_HELP)
     p.add_argument("--tag", default=None, help="tag the new version (e.g. prod, 2026-11-29)")
     p.add_argument("--runner", default="DirectRunner", help="Beam runner (default DirectRunner)")
     mode = p.add_mutually_exclusive_group()
