@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specstore.runtime import hashing, store as store_module
+from specstore.runtime import hashing
+from specstore.runtime import store as store_module
 from specstore.runtime.cli import main
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.errors import ChecksumError
