@@ -108,10 +108,10 @@ class SuffixIndex:
         """The token ``depth`` places after each suffix start in ``raw`` (SA entries), int32;
         -2 (sorts first) past the end or where the entry is out of range."""
         starts = np.asarray(raw, dtype=np.int64)
-        pos = starts + depth
-        inside = (starts >= 0) & (pos < self._n)
-        tokens = np.asarray(self.stream)[np.clip(pos, 0, self._n - 1)]
-        return np.where(inside, tokens, -2).astype(np.int32)
+        # one unsigned compare: 0 <= start < n - depth (a negative start wraps to a huge value)
+        inside = starts.view(np.uint64) < max(self._n - depth, 0)
+        tokens = np.asarray(self.stream)[np.where(inside, starts + depth, 0)]
+        return np.where(inside, tokens, -2)  # int32 (the stream's dtype, checked on open)
 
     def _gather_all(self, depth: int) -> np.ndarray:
         """``_gather`` over the whole suffix array, in blocks (bounded temporaries at any size)."""
@@ -229,12 +229,14 @@ class SuffixIndex:
         if starts.size == 0 or length <= 0:
             out = np.zeros((starts.size, max(length, 0)), dtype=np.int32)
             return (out, starts) if return_offsets else out
-        idx = starts[:, None] + np.arange(length)[None, :]
-        inside = (starts[:, None] >= match.length) & (idx < self._n)  # an SA entry out of range reads nothing
-        out = np.asarray(self.stream)[np.clip(idx, 0, self._n - 1)].astype(np.int32)
-        bad = ~inside | (out < 0)
-        if self.vocab_size is not None:
-            bad |= out >= self.vocab_size
-        ended = np.cumsum(bad, axis=1) > 0  # everything from the first separator (or damaged id) on
+        valid = (starts - match.length).view(np.uint64) < np.uint64(self._n)  # the SA entry is in range
+        idx = np.where(valid, starts, self._n)[:, None] + np.arange(length)[None, :]  # out of range: reads nothing
+        inside = idx < self._n
+        out = np.asarray(self.stream)[np.minimum(idx, self._n - 1)].astype(np.int32)
+        out[~inside] = SEPARATOR
+        # a separator, a negative id or one past the vocabulary (a damaged stream) ends the row:
+        # negative int32 ids are huge as uint32, so one unsigned compare finds them all
+        limit = np.uint32(self.vocab_size if self.vocab_size is not None else 2**31 - 1)
+        ended = np.cumsum(out.view(np.uint32) >= limit, axis=1) > 0
         out[ended] = SEPARATOR
         return (out, starts) if return_offsets else out
