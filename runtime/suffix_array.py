@@ -103,11 +103,15 @@ class SuffixIndex:
         self._n = len(stream)
         self._first_tokens: np.ndarray | None = None
         self._second_tokens: np.ndarray | None = None
+        self._sa_in_range: bool | None = None  # every SA entry in [0, n): set with the first tokens
 
     def _gather(self, raw: np.ndarray, depth: int) -> np.ndarray:
         """The token ``depth`` places after each suffix start in ``raw`` (SA entries), int32;
         -2 (sorts first) past the end or where the entry is out of range."""
         starts = np.asarray(raw, dtype=np.int64)
+        if self._sa_in_range:  # the usual case, known since the first search: no per-entry check
+            pos = starts + depth
+            return np.where(pos < self._n, np.asarray(self.stream)[np.minimum(pos, self._n - 1)], -2)
         # one unsigned compare: 0 <= start < n - depth (a negative start wraps to a huge value)
         inside = starts.view(np.uint64) < max(self._n - depth, 0)
         tokens = np.asarray(self.stream)[np.where(inside, starts + depth, 0)]
@@ -116,8 +120,12 @@ class SuffixIndex:
     def _gather_all(self, depth: int) -> np.ndarray:
         """``_gather`` over the whole suffix array, in blocks (bounded temporaries at any size)."""
         out = np.empty(self._n, dtype=np.int32)
+        in_range = True
         for lo in range(0, self._n, _BLOCK):
-            out[lo : lo + _BLOCK] = self._gather(self.sa[lo : lo + _BLOCK], depth)
+            block = np.asarray(self.sa[lo : lo + _BLOCK])
+            in_range = in_range and bool(block.min() >= 0 and block.max() < self._n)
+            out[lo : lo + _BLOCK] = self._gather(block, depth)
+        self._sa_in_range = in_range
         return out
 
     @property
@@ -229,8 +237,11 @@ class SuffixIndex:
         if starts.size == 0 or length <= 0:
             out = np.zeros((starts.size, max(length, 0)), dtype=np.int32)
             return (out, starts) if return_offsets else out
-        valid = (starts - match.length).view(np.uint64) < np.uint64(self._n)  # the SA entry is in range
-        idx = np.where(valid, starts, self._n)[:, None] + np.arange(length)[None, :]  # out of range: reads nothing
+        if not self._sa_in_range:  # a damaged suffix array: a row whose entry is out of range reads nothing
+            starts_checked = np.where((starts - match.length).view(np.uint64) < np.uint64(self._n), starts, self._n)
+        else:
+            starts_checked = starts
+        idx = starts_checked[:, None] + np.arange(length)[None, :]
         inside = idx < self._n
         out = np.asarray(self.stream)[np.minimum(idx, self._n - 1)].astype(np.int32)
         out[~inside] = SEPARATOR
