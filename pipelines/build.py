@@ -16,6 +16,7 @@ from pathlib import Path
 from specstore.pipelines import workers
 from specstore.pipelines.commit import BuildResult, finalise, keep_unchanged
 from specstore.pipelines.plan import BuildPlan, plan_build, single_process
+from specstore.runtime.device import resolve_build_dtype
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.store import Store, validate_tag
 
@@ -35,9 +36,11 @@ def build(
     ``mode``: ``full``, ``append`` or ``refit`` (plan.plan_build). Without ``force``, a build that
     would reproduce the newest version commits nothing and returns it with ``unchanged=True``
     (``tag``, if given, is then set on it). ``normaliser``: a normaliser.npz to reuse instead of
-    fitting one.
+    fitting one. ``dtype``: float32, bfloat16, or auto (bfloat16 where the hardware runs it fast,
+    runtime/device.py ``resolve_build_dtype``); the manifest records the resolved name.
     """
     started = time.monotonic()
+    dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
     store = store if isinstance(store, Store) else Store(store, create=True)
     if tag is not None:
         validate_tag(tag)

@@ -1,10 +1,13 @@
 """Datastore: one committed version of a datastore, loaded for decoding.
 
 Owns opening a version by reference (``NAME``, ``NAME@VERSION``, ``NAME@TAG``) through the
-store's commit point, verifying its files against the manifest's checksums, refusing a version
-built for another model or tokenizer (the error names the field), and holding what the drafters
-read: the normaliser, the memory-mapped suffix array, the rows' continuations and the dense
-index. Does not own the store catalogue (store.py), building versions (pipelines/) or drafting.
+store's commit point, checking its files against the manifest in constant time (every file
+present with its recorded size, the suffix index's ``.npy`` headers consistent with the
+manifest's counts; full checksums only on request, as ``specstore verify`` does), refusing a
+version built for another model or tokenizer (the error names the field), and holding what the
+drafters read: the normaliser, the memory-mapped suffix array, the rows' continuations and the
+dense index. Does not own the store catalogue (store.py), building versions (pipelines/) or
+drafting.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class Datastore:
         store: Store | str | os.PathLike,
         ref: str | Ref,
         model_info: ModelInfo | None = None,
-        verify: bool = True,
+        verify: bool = False,
         *,
         dense: bool = True,
         device: str | torch.device = "cpu",
@@ -74,7 +77,10 @@ class Datastore:
         """Open the version ``ref`` resolves to.
 
         ``model_info``: the model that will decode with it (``load_model(...).info``); ``None``
-        skips the check. ``verify``: check every file's SHA-256 (sizes are always checked).
+        skips the check. ``verify``: also check every file's SHA-256 (reads the whole version;
+        ``specstore verify`` does the same). Without it, opening reads only what its size does not
+        grow with: each file's size, the suffix index's ``.npy`` headers (memory maps) and the
+        normaliser.
         ``dense``: load the tokens table and build the dense index (DReSD needs it, REST does
         not). ``device``: where the dense index searches.
         """
@@ -87,7 +93,9 @@ class Datastore:
         files = store.files_dir(manifest.name, manifest.build_id)
         normaliser = _load(files / NORMALISER_FILE, Normaliser.load)
         _check_normaliser(manifest, normaliser)
-        suffix = _load(files, load_suffix_index)  # one suffix array, or shards searched together
+        # one suffix array, or shards searched together; drafts end at any id outside the vocabulary
+        suffix = _load(files, lambda folder: load_suffix_index(folder, manifest.model.vocab_size))
+        _check_suffix(manifest, suffix, files)
         ds = cls(store, record, normaliser, suffix, device=torch.device(device))
         if dense:
             ds.load_dense()
@@ -126,6 +134,20 @@ def _check_normaliser(manifest: Manifest, normaliser: Normaliser) -> None:
         raise ManifestMismatchError("hidden_size", manifest.model.hidden_size, normaliser.hidden_size)
     if normaliser.dims != manifest.pca_dims:
         raise ManifestMismatchError("pca_dims", manifest.pca_dims, normaliser.dims)
+
+
+def _check_suffix(manifest: Manifest, suffix: SuffixIndex | ShardedSuffixIndex, files: Path) -> None:
+    """The mapped arrays' headers against the manifest: 1-D int32 stream, int32/int64 suffix
+    array, and one stream entry per token plus one separator per document."""
+    for index in getattr(suffix, "shards", None) or [suffix]:
+        for what, arr, allowed in (("stream", index.stream, (np.int32,)), ("suffix array", index.sa, (np.int32, np.int64))):
+            if arr.ndim != 1 or arr.dtype not in [np.dtype(a) for a in allowed]:
+                raise ChecksumError(f"datastore {what} in {files} has dtype {arr.dtype} and shape {arr.shape}, "
+                                    f"expected 1-D {' or '.join(np.dtype(a).name for a in allowed)}")
+    expected = manifest.num_tokens + manifest.num_documents
+    if len(suffix) != expected:
+        raise ChecksumError(f"datastore stream in {files} has {len(suffix)} entries, manifest implies {expected} "
+                            f"({manifest.num_tokens} tokens + {manifest.num_documents} separators)")
 
 
 def _check_schema(ref: str, manifest: Manifest, schema: pa.Schema) -> None:

@@ -1,8 +1,9 @@
 """The decode loop: prefill, then propose -> verify -> commit -> observe until a stop.
 
 Owns the stop rules (EOS, also inside an accepted draft; ``max_new_tokens``; the model's
-context), the draft budget handed to drafters, passing a drafter's own acceptance rule to the
-verifier, and the step statistics. Drives any ``Verifier``: the target's TreeVerifier, or the
+context), the draft budget handed to drafters, cutting drafts at any id outside the verifier's
+``vocab_size`` (a damaged datastore costs speed, never a crash), passing a drafter's own
+acceptance rule to the verifier, and the step statistics. Drives any ``Verifier``: the target's TreeVerifier, or the
 simulator's replay of a stored reference (bench/simulate.py). Works on token ids only: prompts,
 chat templates and text belong to api.py.
 
@@ -22,7 +23,7 @@ import torch
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.sampling import Sampling
-from specstore.runtime.tree import clip_depth
+from specstore.runtime.tree import clip_depth, within_vocab
 from specstore.runtime.verify import TreeVerifier
 
 
@@ -109,6 +110,7 @@ def decode(
     state = DecodeState(tokens=list(prompt_ids), num_prompt=len(prompt_ids))
     drafter.reset(list(prompt_ids))
     acceptance = getattr(drafter, "acceptance", None)  # a drafter's own rule; None = sampling's
+    vocab = getattr(verifier, "vocab_size", None)  # drafted ids outside it never reach the verifier
 
     def commit(proposed: list[int], hidden, logits) -> str | None:
         """Append what a forward produced (cut at EOS and the limits); the stop reason, if any."""
@@ -133,7 +135,7 @@ def decode(
         # propose: draft tokens along one path, leaving room for the bonus, within both limits
         clock = time.perf_counter()
         state.budget, state.step = limit - len(state.tokens) - 1, stats.steps
-        tree = clip_depth(drafter.propose(state), state.budget)
+        tree = within_vocab(clip_depth(drafter.propose(state), state.budget), vocab)
         drafted = time.perf_counter()
         # verify
         out = verifier.step(state.tokens[-1], tree, acceptance)

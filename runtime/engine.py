@@ -88,12 +88,13 @@ class Engine:
     when ``method`` needs them); a request for a dense method on an engine opened without them
     loads them then. ``refresh_seconds``: how often tags and bare names are re-resolved at the
     start of a request (None: only on ``refresh()``). ``log``: a path or ServedLog to append
-    each served request to (off when None).
+    each served request to (off when None). ``verify``: hash every file of a version when it is
+    opened (off: opening checks sizes and headers only; ``specstore verify`` hashes).
     """
 
     def __init__(self, loaded, store: Store | str | None = None, datastores: str | Sequence[str] | None = (), *,
                  method: str = "rest", drafter_options: Mapping[str, Mapping] | None = None, dense: bool | None = None,
-                 verify: bool = True, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
+                 verify: bool = False, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, loaded.info
         self.device = next(self.model.parameters()).device

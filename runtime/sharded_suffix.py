@@ -57,9 +57,9 @@ class ShardedSuffixIndex:
         self.offsets = np.cumsum([0] + [len(s) for s in shards[:-1]]).astype(np.int64)
 
     @classmethod
-    def load(cls, folder: Path, *, mmap: bool = True) -> ShardedSuffixIndex:
+    def load(cls, folder: Path, *, mmap: bool = True, vocab_size: int | None = None) -> ShardedSuffixIndex:
         dirs = sorted((folder / SHARDS_DIR).iterdir())
-        return cls([SuffixIndex.load(d, mmap=mmap) for d in dirs])
+        return cls([SuffixIndex.load(d, mmap=mmap, vocab_size=vocab_size) for d in dirs])
 
     def __len__(self) -> int:
         return int(sum(len(s) for s in self.shards))
@@ -112,8 +112,9 @@ class ShardedSuffixIndex:
         return (merged, where) if return_offsets else merged
 
 
-def load_suffix_index(folder: Path) -> SuffixIndex | ShardedSuffixIndex:
-    """The suffix index of a version folder: sharded when it has a ``shards`` folder."""
+def load_suffix_index(folder: Path, vocab_size: int | None = None) -> SuffixIndex | ShardedSuffixIndex:
+    """The suffix index of a version folder (memory maps; only the headers are read): sharded
+    when it has a ``shards`` folder. ``vocab_size``: continuations end at any id outside it."""
     if (folder / SHARDS_DIR).is_dir():
-        return ShardedSuffixIndex.load(folder)
-    return SuffixIndex.load(folder)
+        return ShardedSuffixIndex.load(folder, vocab_size=vocab_size)
+    return SuffixIndex.load(folder, vocab_size=vocab_size)

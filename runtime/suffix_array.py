@@ -20,6 +20,7 @@ SEPARATOR = PAD_TOKEN  # never a real token id, so no pattern of real tokens can
 STREAM_FILE = "stream.npy"
 SA_FILE = "suffix_array.npy"
 _GATHER_MAX = 4096  # intervals up to this size are narrowed by one vectorised gather
+_BLOCK = 1 << 22  # suffix-array entries gathered at once when the per-rank tokens are first built
 
 
 def join_documents(documents: Iterable[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -85,44 +86,83 @@ class Match:
 
 
 class SuffixIndex:
-    """Search over one stream and its suffix array (arrays may be memory maps)."""
+    """Search over one stream and its suffix array (arrays may be memory maps).
 
-    def __init__(self, stream: np.ndarray, sa: np.ndarray):
+    Every read is bounds-checked, so a damaged file costs matches, never a crash or a wrong
+    draft id: a suffix-array entry outside ``[0, len(stream))`` is skipped (its rank has no
+    tokens), and a continuation ends at its first token outside ``[0, vocab_size)`` (any
+    negative id when ``vocab_size`` is None). Nothing is read at construction but the arrays'
+    lengths; the per-rank first and second tokens are gathered on the first search."""
+
+    def __init__(self, stream: np.ndarray, sa: np.ndarray, vocab_size: int | None = None):
         if len(stream) != len(sa):
             raise ValueError(f"stream has {len(stream)} entries but suffix array {len(sa)}")
         self.stream = stream
         self.sa = sa
+        self.vocab_size = vocab_size
         self._n = len(stream)
-        # first token of every suffix, in SA order: lets the first step be one vectorised searchsorted
-        self._first = np.asarray(stream)[np.asarray(sa)] if self._n else np.zeros(0, dtype=np.int32)
-        # second token of every suffix, in SA order (-2 past the end): within a first-token
-        # interval it is sorted, so depth 1 is one searchsorted in C, not a Python bisection
-        # over memory-mapped entries (milliseconds per step at millions of tokens)
-        if self._n:
-            nxt = np.asarray(sa, dtype=np.int64) + 1
-            self._second = np.where(nxt < self._n, np.asarray(stream)[np.minimum(nxt, self._n - 1)], -2).astype(np.int32)
-        else:
-            self._second = np.zeros(0, dtype=np.int32)
+        self._first_tokens: np.ndarray | None = None
+        self._second_tokens: np.ndarray | None = None
+        self._sa_in_range: bool | None = None  # every SA entry in [0, n): set with the first tokens
+
+    def _gather(self, raw: np.ndarray, depth: int) -> np.ndarray:
+        """The token ``depth`` places after each suffix start in ``raw`` (SA entries), int32;
+        -2 (sorts first) past the end or where the entry is out of range."""
+        starts = np.asarray(raw, dtype=np.int64)
+        if self._sa_in_range:  # the usual case, known since the first search: no per-entry check
+            pos = starts + depth
+            return np.where(pos < self._n, np.asarray(self.stream)[np.minimum(pos, self._n - 1)], -2)
+        # one unsigned compare: 0 <= start < n - depth (a negative start wraps to a huge value)
+        inside = starts.view(np.uint64) < max(self._n - depth, 0)
+        tokens = np.asarray(self.stream)[np.where(inside, starts + depth, 0)]
+        return np.where(inside, tokens, -2)  # int32 (the stream's dtype, checked on open)
+
+    def _gather_all(self, depth: int) -> np.ndarray:
+        """``_gather`` over the whole suffix array, in blocks (bounded temporaries at any size)."""
+        out = np.empty(self._n, dtype=np.int32)
+        in_range = True
+        for lo in range(0, self._n, _BLOCK):
+            block = np.asarray(self.sa[lo : lo + _BLOCK])
+            in_range = in_range and bool(block.min() >= 0 and block.max() < self._n)
+            out[lo : lo + _BLOCK] = self._gather(block, depth)
+        self._sa_in_range = in_range
+        return out
+
+    @property
+    def _first(self) -> np.ndarray:
+        """First token of every suffix, in SA order: lets the first step be one vectorised searchsorted."""
+        if self._first_tokens is None:
+            self._first_tokens = self._gather_all(0)
+        return self._first_tokens
+
+    @property
+    def _second(self) -> np.ndarray:
+        """Second token of every suffix, in SA order (-2 past the end): within a first-token
+        interval it is sorted, so depth 1 is one searchsorted in C, not a Python bisection over
+        memory-mapped entries (milliseconds per step at millions of tokens)."""
+        if self._second_tokens is None:
+            self._second_tokens = self._gather_all(1)
+        return self._second_tokens
 
     @classmethod
-    def load(cls, folder: Path, *, mmap: bool = True) -> SuffixIndex:
+    def load(cls, folder: Path, *, mmap: bool = True, vocab_size: int | None = None) -> SuffixIndex:
         mode = "r" if mmap else None
-        return cls(np.load(folder / STREAM_FILE, mmap_mode=mode), np.load(folder / SA_FILE, mmap_mode=mode))
+        return cls(np.load(folder / STREAM_FILE, mmap_mode=mode), np.load(folder / SA_FILE, mmap_mode=mode), vocab_size)
 
     def __len__(self) -> int:
         return self._n
 
     def _token_at(self, rank: int, depth: int) -> int:
-        pos = int(self.sa[rank]) + depth
-        return int(self.stream[pos]) if pos < self._n else -2  # past the end sorts first
+        start = int(self.sa[rank])
+        pos = start + depth
+        return int(self.stream[pos]) if 0 <= start and pos < self._n else -2  # past the end sorts first
 
     def _narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
         """Within [lo, hi) (suffixes sharing ``depth`` tokens), the sub-interval whose next token is ``token``."""
         if depth == 1:
             return _bounds(self._second[lo:hi], lo, token)
         if hi - lo <= _GATHER_MAX:  # small interval: gather its tokens at ``depth`` at once
-            pos = np.asarray(self.sa[lo:hi], dtype=np.int64) + depth
-            return _bounds(np.where(pos < self._n, np.asarray(self.stream)[np.minimum(pos, self._n - 1)], -2), lo, token)
+            return _bounds(self._gather(self.sa[lo:hi], depth), lo, token)
         a, b = lo, hi
         while a < b:  # first rank with token_at >= token
             mid = (a + b) // 2
@@ -156,7 +196,8 @@ class SuffixIndex:
     def positions(self, pattern: Sequence[int]) -> np.ndarray:
         """Sorted stream offsets where ``pattern`` occurs."""
         m = self.find(pattern)
-        return np.sort(np.asarray(self.sa[m.lo : m.hi], dtype=np.int64))
+        found = np.asarray(self.sa[m.lo : m.hi], dtype=np.int64)
+        return np.sort(found[(found >= 0) & (found < self._n)])
 
     def longest_suffix_match(self, context: Sequence[int], max_len: int = 16, min_len: int = 2) -> Match | None:
         """The longest suffix of ``context`` (between min_len and max_len tokens) found in the stream.
@@ -196,10 +237,17 @@ class SuffixIndex:
         if starts.size == 0 or length <= 0:
             out = np.zeros((starts.size, max(length, 0)), dtype=np.int32)
             return (out, starts) if return_offsets else out
-        idx = starts[:, None] + np.arange(length)[None, :]
+        if not self._sa_in_range:  # a damaged suffix array: a row whose entry is out of range reads nothing
+            starts_checked = np.where((starts - match.length).view(np.uint64) < np.uint64(self._n), starts, self._n)
+        else:
+            starts_checked = starts
+        idx = starts_checked[:, None] + np.arange(length)[None, :]
         inside = idx < self._n
         out = np.asarray(self.stream)[np.minimum(idx, self._n - 1)].astype(np.int32)
         out[~inside] = SEPARATOR
-        ended = np.cumsum(out == SEPARATOR, axis=1) > 0  # everything from the first separator on
+        # a separator, a negative id or one past the vocabulary (a damaged stream) ends the row:
+        # negative int32 ids are huge as uint32, so one unsigned compare finds them all
+        limit = np.uint32(self.vocab_size if self.vocab_size is not None else 2**31 - 1)
+        ended = np.cumsum(out.view(np.uint32) >= limit, axis=1) > 0
         out[ended] = SEPARATOR
         return (out, starts) if return_offsets else out

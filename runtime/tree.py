@@ -130,3 +130,18 @@ def clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     if keep.all():
         return tree
     return tree.subset(keep)
+
+
+def within_vocab(tree: DraftTree, vocab_size: int | None) -> DraftTree:
+    """The subtree without nodes whose token is outside ``[0, vocab_size)`` and without their
+    descendants (a draft ends where it holds an id the target cannot take, e.g. from a damaged
+    datastore file); ``tree`` itself when every id is valid (one vectorised check)."""
+    if vocab_size is None or len(tree) == 0:
+        return tree
+    bad = (tree.tokens < 0) | (tree.tokens >= vocab_size)
+    if not bad.any():
+        return tree
+    for node, parent in enumerate(tree.parents.tolist()):  # parents come first: one pass marks descendants
+        if parent >= 0 and bad[parent]:
+            bad[node] = True
+    return tree.subset(~bad)

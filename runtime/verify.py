@@ -116,6 +116,18 @@ def supports_tree_attention(model, cache) -> bool:
     return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
+def _vocab_size(model) -> int | None:
+    """Token ids the target takes: its input embedding's rows (the config's vocab_size when the
+    model has no embedding module), never more than its output logits."""
+    sizes = [getattr(model.config, "vocab_size", None)]
+    try:
+        sizes.append(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError):
+        pass
+    sizes = [int(v) for v in sizes if v]
+    return min(sizes) if sizes else None
+
+
 class TreeVerifier:
     """Holds the target's cache for one request; ``prefill`` once, then ``step`` per draft tree."""
 
@@ -124,6 +136,7 @@ class TreeVerifier:
         self.sampling = sampling or Sampling()
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
+        self.vocab_size = _vocab_size(model)  # the decode loop drops drafted ids outside it
         self.tree_attention = supports_tree_attention(model, self.cache)
         if not self.tree_attention:
             warnings.warn(

@@ -86,6 +86,7 @@ REQUIRED = {
     "versions": ["--name", "x"],
     "tag": ["--ref", "x@1", "--tag", "prod"],
     "gc": ["--name", "x", "--keep", "1"],
+    "verify": ["--ref", "x@1"],
     "generate": ["--prompt", "hi", "--datastore", "x"],
     "bench": ["--questions", "q.jsonl", "--datastore", "x"],
     "simulate": ["--references", "r.json", "--datastore", "x"],

@@ -73,7 +73,7 @@ def test_corrupted_files_fail_their_checksum(tmp_path):
     data[-3] ^= 0xFF  # same size, different content
     stream.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="stream.npy fails its checksum"):
-        Datastore.open(store, "code", INFO)
+        Datastore.open(store, "code", INFO, verify=True)  # full checksums on request
     table_file = next(k for k in m.files if k.endswith(".lance"))
     path = store.root / table_file
     path.write_bytes(path.read_bytes()[:-10])
@@ -171,7 +171,7 @@ def test_pipeline_built_datastore_opens_and_decodes(tmp_path):
     stream = ds.store.files_dir("tiny", manifest.build_id) / "stream.npy"
     stream.write_bytes(stream.read_bytes()[:-4] + b"\x01\x02\x03\x04")
     with pytest.raises(ChecksumError, match="stream.npy"):
-        Datastore.open(tmp_path / "store", "tiny", loaded.info)
+        Datastore.open(tmp_path / "store", "tiny", loaded.info, verify=True)  # same size: only a hash sees it
 
 
 def generate_text(loaded, prompt: str) -> str:
