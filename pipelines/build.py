@@ -42,6 +42,9 @@ def build(
     started = time.monotonic()
     dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
     store = store if isinstance(store, Store) else Store(store, create=True)
+    if store.location.remote:
+        raise SpecstoreError(f"building into an object store ({store.root}) is not supported yet: build into a local "
+                             "directory and copy it there (e.g. aws s3 sync); every other command reads it remotely")
     if tag is not None:
         validate_tag(tag)
     plan = plan_build(
@@ -79,7 +82,7 @@ def run_pipeline(plan: BuildPlan, *, runner: str = "DirectRunner", beam_args: li
 def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
     """The CLI handler of ``specstore build``."""
     try:
-        store = Store(args.store, create=True)
+        store = Store.from_args(args, create=True)
     except SpecstoreError:
         raise
     except OSError as exc:

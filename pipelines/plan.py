@@ -20,12 +20,11 @@ from specstore.pipelines.corpus import Source, resolve_sources, source_sha256
 from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, refit_paths
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
-from specstore.runtime.store import Store, VersionRecord, file_sha256, validate_name
+from specstore.runtime.store import REJECTED_FILE, Store, VersionRecord, file_sha256, validate_name
 from specstore.schemas.manifest import ModelInfo
 
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "summary.json"
-REJECTED_FILE = "rejected.jsonl"
 # the plan's settings a manifest records (with model_path and normaliser_from); the unchanged check compares them
 SETTINGS_KEPT = ("dtype", "max_docs", "max_doc_tokens", "max_new_tokens", "batch_tokens", "generate_batch", "fit_rows_per_batch", "spill_dtype",
                  "sa_shard_tokens")

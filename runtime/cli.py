@@ -23,7 +23,12 @@ BUILD_DTYPE_HELP = (
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, metavar="DIR", help="store directory (a LanceDB database)")
+    p.add_argument("--store", required=True, metavar="DIR|URI",
+                   help="the store: a local directory or an object-store URI (s3://bucket/prefix, gs://..., az://...)")
+    p.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="object-store option with Lance's name, repeatable (aws_endpoint, allow_http, aws_region, "
+                   "aws_access_key_id, aws_secret_access_key, ...); unset ones come from the environment as the cloud "
+                   "SDKs read it (AWS_REGION, AWS_ENDPOINT_URL, ...)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -209,7 +214,7 @@ def _cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
 def _cmd_versions(args: argparse.Namespace, extra: list[str]) -> int:
     from specstore.runtime.store import Store, validate_name
 
-    records = Store(args.store).versions(validate_name(args.name))
+    records = Store.from_args(args).versions(validate_name(args.name))
     rows = [
         {
             "version": r.version,
@@ -239,7 +244,7 @@ def _cmd_versions(args: argparse.Namespace, extra: list[str]) -> int:
 def _cmd_tag(args: argparse.Namespace, extra: list[str]) -> int:
     from specstore.runtime.store import Store
 
-    record = Store(args.store).set_tag(args.ref, args.tag)
+    record = Store.from_args(args).set_tag(args.ref, args.tag)
     print(f"{record.name}@{args.tag} -> version {record.version}")
     return 0
 
@@ -282,11 +287,11 @@ def _cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
-    """Before any work: a URI store is refused, and every option left over must be one the command
+    """Before any work: a store URI of an unknown scheme is refused, and every option left over must be one the command
     forwards (build: Beam's pipeline options) — else one error line naming it."""
     from specstore.runtime.cli_options import check_beam_options, check_store, reject_unknown
 
-    check_store(getattr(args, "store", None))
+    check_store(getattr(args, "store", None), getattr(args, "storage_option", None))
     command = args.command
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     if getattr(args, "forwards_to", None) == "beam":

@@ -71,7 +71,7 @@ def _resolve(args: argparse.Namespace):
     refs = [r.strip() for r in args.datastore.split(",") if r.strip()]
     if not refs:
         raise SpecstoreError(f"--datastore {args.datastore!r} names no datastore")
-    store = Store(args.store)
+    store = Store.from_args(args)
     for ref in refs:
         store.resolve(ref)
     return store, refs

@@ -5,8 +5,9 @@
   option is passed on only when the installed Beam's ``PipelineOptions`` (every registered
   option group, the chosen runner's included) defines it. Beam is imported only for that check,
   which only the commands that build run.
-- A ``--store`` that looks like a URI (``scheme://...``) is refused until object stores are
-  supported, so that it is never taken for a relative local folder named ``scheme:``.
+- A ``--store`` that looks like a URI (``scheme://...``) must be one of the object stores
+  LanceDB reaches (storage.py), so that it is never taken for a relative local folder named
+  ``scheme:``; ``--storage-option`` values must be ``KEY=VALUE``.
 - Importing Beam logs "apitools not found ..." on the root logger (its BigQuery client module,
   imported by ``apache_beam.io``); :func:`quiet_beam_import` drops exactly that record.
 """
@@ -26,10 +27,13 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _APITOOLS = "apitools not found, and bigquery client libraries are not available"
 
 
-def check_store(value: str | None) -> None:
-    """Refuse a store URI (``s3://``, ``gs://``, ``az://``, ...) until object stores are supported."""
+def check_store(value: str | None, storage_options: list[str] | None = None) -> None:
+    """Refuse a store URI of a scheme no store supports, and a storage option not KEY=VALUE."""
+    from specstore.runtime.storage import parse_storage_options, split_uri
+
     if value and _URI.match(value):
-        raise SpecstoreError(f"object stores are not supported yet: --store {value} (give a local directory)")
+        split_uri(value)
+    parse_storage_options(storage_options)
 
 
 def _long_options(parser: argparse.ArgumentParser) -> list[str]:

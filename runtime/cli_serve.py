@@ -44,7 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
     refs = split_references(args.datastore)
     if registry.datastore_methods([args.method]) and not refs:
         raise SpecstoreError(f"method '{args.method}' needs --datastore NAME[@VERSION|@TAG]")
-    store = Store(args.store) if refs else None
+    store = Store.from_args(args) if refs else None
     for ref in refs:
         store.resolve(ref)  # fail fast, before the model loads
     from transformers.utils import logging as hf_logging

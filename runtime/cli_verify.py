@@ -13,10 +13,10 @@ from specstore.runtime.store import Store, verify_files
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    store = Store(args.store)
+    store = Store.from_args(args)
     record = store.resolve(args.ref)
     files = record.manifest.files
-    verify_files(store.root, files, full=True)  # ChecksumError names the file
+    verify_files(store.location, files, full=True)  # ChecksumError names the file
     total = sum(info.num_bytes for info in files.values())
     print(f"{record.name}@{record.version}: {len(files)} files, {total} bytes, every checksum matches its manifest")
     return 0

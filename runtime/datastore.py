@@ -24,7 +24,7 @@ from specstore.runtime.dense import DenseIndex
 from specstore.runtime.errors import ChecksumError, ManifestMismatchError, SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.sharded_suffix import ShardedSuffixIndex, load_suffix_index
-from specstore.runtime.store import Ref, Store, VersionRecord, verify_files
+from specstore.runtime.store import REJECTED_FILE, Ref, Store, VersionRecord, verify_files
 from specstore.runtime.suffix_array import SuffixIndex
 from specstore.schemas.manifest import Manifest, ModelInfo
 from specstore.schemas.tables import tokens_schema
@@ -89,8 +89,8 @@ class Datastore:
         manifest = record.manifest
         if model_info is not None:
             check_model(manifest, model_info)
-        verify_files(store.root, manifest.files, full=verify)
-        files = store.files_dir(manifest.name, manifest.build_id)
+        verify_files(store.location, manifest.files, full=verify)
+        files = _local_files(store, manifest)
         normaliser = _load(files / NORMALISER_FILE, Normaliser.load)
         _check_normaliser(manifest, normaliser)
         # one suffix array, or shards searched together; drafts end at any id outside the vocabulary
@@ -120,6 +120,17 @@ class Datastore:
         self.continuation_lens = data.column("continuation_len").to_numpy().astype(np.int32)
         self.dense = DenseIndex(embeddings, self.continuations[:, 0] if len(embeddings) else np.zeros(0), self.device)
         return self.dense
+
+
+def _local_files(store: Store, manifest: Manifest) -> Path:
+    """The version's files folder: in place for a local store; for a remote one, a folder of
+    the host's file cache holding what is mapped (not the rejected records)."""
+    if not store.location.remote:
+        return store.files_dir(manifest.name, manifest.build_id)
+    from specstore.runtime.file_cache import FileCache
+
+    return FileCache().version_dir(store.location, Store.files_rel(manifest.name, manifest.build_id), manifest.files,
+                                   skip=(REJECTED_FILE,))
 
 
 def _load(path: Path, loader):

@@ -2,8 +2,9 @@
 builds that never committed.
 
 Owns which versions go (all but the newest ``keep``, never one a tag points at), removing their
-catalogue rows (one Lance delete under the datastore's lock, so the catalogue stays the single
-commit point) and then their files (tokens table folder and ``_files/NAME/BUILD``), and finding
+catalogue rows (one conditional commit of the catalogue, decided on the rows that commit read,
+so the catalogue stays the single commit point) and then their files (tokens table folder and
+``_files/NAME/BUILD``, through the store's filesystem layer, local or remote), and finding
 *orphans*: build folders and tables that no catalogue row names, left by crashed or killed
 builds. An orphan is removed only once nothing in it changed for ``grace_seconds``, so a build
 still running is not hit. Does not own building (pipelines/) or reading versions (datastore.py).
@@ -15,13 +16,10 @@ uses are loaded into memory on open (``dense=True``). Opening a removed version 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.store import VERSIONS_TABLE, Store, validate_name
@@ -48,38 +46,33 @@ class GcReport:
         )
 
 
-def _newest_mtime(path: Path) -> float:
-    newest = path.lstat().st_mtime
-    for folder, dirs, files in os.walk(path):
-        for entry in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(folder, entry)).st_mtime)
-            except FileNotFoundError:  # removed while we walk (a build cleaning its staging files)
-                pass
-    return newest
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _build_files(store: Store, name: str) -> dict[str, list[Path]]:
-    """Every build id found on disk for ``name`` -> its folders (files dir, tokens table)."""
-    found: dict[str, list[Path]] = {}
-    files_root = store.root / "_files" / name
-    if files_root.is_dir():
-        for folder in files_root.iterdir():
-            if _BUILD_ID.match(folder.name):
-                found.setdefault(folder.name, []).append(folder)
+def _build_folders(store: Store, name: str) -> dict[str, list[str]]:
+    """Every build id found in the store for ``name`` -> its folders (files dir, tokens table),
+    relative to the store's root."""
+    found: dict[str, list[str]] = {}
+    for entry, _ in store.location.list_dir(f"_files/{name}"):
+        if _BUILD_ID.match(entry):
+            found.setdefault(entry, []).append(Store.files_rel(name, entry))
     prefix = f"{name}__"
-    for table in store.root.glob(f"{prefix}*.lance"):
-        rest = table.name[len(prefix) : -len(".lance")]
+    for entry, _ in store.location.list_dir(""):
+        if not (entry.startswith(prefix) and entry.endswith(".lance")):
+            continue
+        rest = entry[len(prefix) : -len(".lance")]
         build_id = rest[:15] + "-" + rest[16:] if len(rest) == 24 and rest[15] == "_" else ""
-        if _BUILD_ID.match(build_id) and Store.table_name(name, build_id) == table.name[: -len(".lance")]:
-            found.setdefault(build_id, []).append(table)
+        if _BUILD_ID.match(build_id) and Store.table_name(name, build_id) == entry[: -len(".lance")]:
+            found.setdefault(build_id, []).append(entry)
     return found
+
+
+def _usage(store: Store, folders: list[str]) -> tuple[int, float | None]:
+    """Bytes under ``folders`` and the newest modified time of anything in them."""
+    size, newest = 0, None
+    for folder in folders:
+        for _, _, num_bytes, mtime in store.location.walk(folder):
+            size += num_bytes
+            if mtime is not None:
+                newest = mtime if newest is None else max(newest, mtime)
+    return size, newest
 
 
 def collect(store: Store, name: str, *, keep: int, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False) -> GcReport:
@@ -90,30 +83,36 @@ def collect(store: Store, name: str, *, keep: int, grace_seconds: float = DEFAUL
     if grace_seconds < 0:
         raise SpecstoreError(f"--grace-seconds must be >= 0, got {grace_seconds}")
     report = GcReport(name)
-    with store.lock(name):  # no commit or tag of this datastore interleaves with the decision
-        records = store.versions(name)
-        tagged = set(store.tags(name).values())
-        doomed = [r for r in records[:-keep] if r.version not in tagged]
-        report.removed_versions = [r.version for r in doomed]
-        report.kept = [r.version for r in records if r not in doomed]
+
+    def choose(records, tags) -> list[int]:
+        tagged = set(tags.values())
+        return [r.version for r in records[:-keep] if r.version not in tagged]
+
+    before = store.versions(name)
+    if dry_run:
+        removed = choose(before, store.tags(name))
+    else:  # from here on, no reader can resolve them
+        removed = store.delete_versions(name, choose)
+    doomed = {r.build_id for r in before if r.version in removed}
+    records = [r for r in store.versions(name) if r.version not in removed]  # read again: builds committed meanwhile are live
+    report.removed_versions = sorted(removed)
+    report.kept = [r.version for r in records]
+    live = {r.build_id for r in records}
+    now = time.time()
+    for build_id, folders in sorted(_build_folders(store, name).items()):
+        if build_id in live:
+            continue
+        size, newest = _usage(store, folders)
+        if build_id not in doomed:
+            if newest is None or now - newest < grace_seconds:
+                continue  # maybe a build still running (an object store without times: never guessed old)
+            report.orphan_builds.append(build_id)
+        else:
+            report.removed_builds.append(build_id)
+        report.num_bytes += size
         if not dry_run:
-            store.delete_versions(name, report.removed_versions)  # from here on, no reader can resolve them
-        live = {r.build_id for r in records if r not in doomed}
-        on_disk = _build_files(store, name)
-        now = time.time()
-        for build_id, paths in sorted(on_disk.items()):
-            if build_id in live:
-                continue
-            if build_id not in {r.build_id for r in doomed}:
-                if any(now - _newest_mtime(p) < grace_seconds for p in paths):
-                    continue  # maybe a build still running
-                report.orphan_builds.append(build_id)
-            else:
-                report.removed_builds.append(build_id)
-            report.num_bytes += sum(_size(p) for p in paths)
-            if not dry_run:
-                for p in paths:
-                    shutil.rmtree(p, ignore_errors=True)
+            for folder in folders:
+                store.location.delete_dir(folder)
     if not dry_run and report.removed_versions:
         _prune_catalogue_history(store, grace_seconds)
     return report
@@ -122,13 +121,15 @@ def collect(store: Store, name: str, *, keep: int, grace_seconds: float = DEFAUL
 def _prune_catalogue_history(store: Store, grace_seconds: float) -> None:
     """Drop Lance versions of the catalogue older than the grace period (they still hold the
     removed rows); a reader that read the catalogue within the grace period is unaffected."""
-    table = store.open_table(VERSIONS_TABLE)
-    table.to_lance().cleanup_old_versions(older_than=timedelta(seconds=max(grace_seconds, 1.0)))
+    import lance
+
+    dataset = lance.dataset(store.table_uri(VERSIONS_TABLE), storage_options=store.storage_options or None)
+    dataset.cleanup_old_versions(older_than=timedelta(seconds=max(grace_seconds, 1.0)))
 
 
 def run_gc_command(args) -> int:
     """The CLI handler of ``specstore gc``."""
-    store = Store(args.store)
+    store = Store.from_args(args)
     report = collect(store, args.name, keep=args.keep, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
     print(report.summary(args.dry_run))
     return 0

@@ -1,5 +1,5 @@
-"""What the CLI checks before any work: unknown options (build forwards only Beam's own), URI
-stores on every command that takes --store, and a clean stderr (no Beam import warning, no Beam
+"""What the CLI checks before any work: unknown options (build forwards only Beam's own), store
+URIs and storage options on every command that takes --store, and a clean stderr (no Beam import warning, no Beam
 import at all outside build)."""
 
 from __future__ import annotations
@@ -99,11 +99,20 @@ def test_every_command_with_a_store_is_listed():
 
 
 @pytest.mark.parametrize("command", sorted(REQUIRED))
-@pytest.mark.parametrize("uri", ["s3://bucket/db", "gs://bucket/db", "az://container/db"])
-def test_uri_store_is_refused_and_creates_nothing(command, uri, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("uri", ["ftp://host/db", "hdfs://cluster/db"])
+def test_store_uri_of_an_unknown_scheme_is_refused_and_creates_nothing(command, uri, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     line = _one_error_line(capsys, [command, "--store", uri, *REQUIRED[command]])
-    assert line == f"specstore: error: object stores are not supported yet: --store {uri} (give a local directory)"
+    assert line.startswith(f"specstore: error: unsupported store URI '{uri}': use a local path or one of s3://, gs://, az://")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", sorted(REQUIRED))
+def test_a_storage_option_must_be_key_value(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = [command, "--store", "s3://bucket/db", "--storage-option", "aws_region", *REQUIRED[command]]
+    line = _one_error_line(capsys, argv)
+    assert line == "specstore: error: storage option 'aws_region' is not KEY=VALUE (e.g. aws_region=us-east-1)"
     assert list(tmp_path.iterdir()) == []
 
 

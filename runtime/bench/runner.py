@@ -136,7 +136,7 @@ def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, te
     return Outcome(res.token_ids, res.text, record)
 
 
-def run_bench(*, store: str, datastore: str | None, questions: str, methods: list[str], limit=None, skip=0,
+def run_bench(*, store, datastore: str | None, questions: str, methods: list[str], limit=None, skip=0,
               turns: int = 1, max_new_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
               dtype: str = "bfloat16", device: str = "auto", options: dict | None = None,
               progress: bool = True, command: str = "") -> BenchResult:
@@ -230,7 +230,9 @@ def _running_mat(records: list[PromptRecord], method: str) -> float:
 
 def run_bench_command(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    result = run_bench(store=args.store, datastore=args.datastore, questions=args.questions, methods=methods,
+    from specstore.runtime.store import Store
+
+    result = run_bench(store=Store.from_args(args), datastore=args.datastore, questions=args.questions, methods=methods,
                        limit=args.limit, skip=args.skip, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, model=args.model, dtype=args.dtype, device=args.device,
                        options=parse_options(args.option), progress=True,

@@ -145,7 +145,9 @@ def run_simulate_command(args) -> int:
     lm = load_model(args.model, dtype="float32") if (need_states or with_datastore) else None
     ds = None
     if with_datastore:
-        ds = Datastore.open(args.store, args.datastore, model_info=lm.info, dense=needs_dense(methods))
+        from specstore.runtime.store import Store
+
+        ds = Datastore.open(Store.from_args(args), args.datastore, model_info=lm.info, dense=needs_dense(methods))
     rows = []
     for m in methods:
         grid = sweeps.get(m, {})
