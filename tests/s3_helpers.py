@@ -32,9 +32,9 @@ class S3:
 
 @contextmanager
 def s3_server() -> Iterator[S3]:
-    from moto.server import ThreadedMotoServer
-
     import logging
+
+    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -186,7 +186,7 @@ def test_storage_options_and_environment():
     with pytest.raises(SpecstoreError, match="unsupported store URI"):
         Location.of("ftp://host/x")
     with pytest.raises(SpecstoreError, match="allow_http=true"):
-        Location.of("s3://bucket/x", {"aws_endpoint": "http://127.0.0.1:1"}).fs
+        _ = Location.of("s3://bucket/x", {"aws_endpoint": "http://127.0.0.1:1"}).fs
 
 
 def test_build_into_an_object_store_says_it_is_not_supported_yet(s3, capsys):
