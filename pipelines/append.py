@@ -46,6 +46,12 @@ class BaseVersion:
     sources: tuple[SourceInfo, ...]  # the parent's, listed before the new ones in the manifest
     embedding_sum: tuple[float, ...]  # domain_centroid x num_tokens, to combine with the new rows
     shards: tuple[tuple[int, int], ...] = ()  # (stream offset, stream length) of each suffix-array shard; () if one array
+    index: str = "dense"  # a sparse parent has no table rows
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the parent's tokens table: one per token, none when sparse."""
+        return self.num_tokens if self.index == "dense" else 0
 
     @property
     def num_entries(self) -> int:
@@ -68,9 +74,9 @@ class BaseVersion:
             offset += length
         return cls(
             version=record.version, build_id=m.build_id, files_dir=str(files),
-            table_uri=store.table_uri(m.tokens_table), num_documents=m.num_documents, num_tokens=m.num_tokens,
+            table_uri=store.table_uri(m.tokens_table) if m.tokens_table else "", num_documents=m.num_documents, num_tokens=m.num_tokens,
             sources=tuple(m.sources), embedding_sum=tuple(float(c) * m.num_tokens for c in centroid),
-            shards=tuple(shards),
+            shards=tuple(shards), index=m.index,
         )
 
 
@@ -87,6 +93,17 @@ def kept_settings(parent: Manifest, sa_shard_tokens: int | None) -> dict:
         "pca_dims": parent.pca_dims, "continuation_length": parent.continuation_length, "regenerate": parent.regenerated,
         "sa_shard_tokens": kept,
     }
+
+
+def kept_index(parent: Manifest, index: str | None) -> str:
+    """An append's index kind: the parent's (``index``, the one given, must be None or the
+    parent's own: a version is all dense or all sparse)."""
+    if index is not None and index != parent.index:
+        raise SpecstoreError(
+            f"--append keeps the parent's index kind: {parent.name}@{parent.version} is {parent.index}, "
+            f"not {index} (build a new {index} version without --append, or use --refit --index {index})"
+        )
+    return parent.index
 
 
 def check_model(parent: Manifest, info: ModelInfo) -> None:

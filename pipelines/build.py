@@ -29,7 +29,7 @@ def build(
     pca_dims: int = 64, continuation_length: int = 10, batch_tokens: int = 4096, dtype: str = "float32",
     tag: str | None = None, runner: str = "DirectRunner", beam_args: list[str] | None = None, progress: bool = True,
     test_pipeline=None, mode: str = "full", force: bool = False, normaliser: str | Path | None = None,
-    sa_shard_tokens: int | None = None,
+    sa_shard_tokens: int | None = None, index: str | None = None,
 ) -> BuildResult:
     """Build one new version of datastore ``name`` from ``corpus`` and commit it (see module doc).
 
@@ -38,6 +38,10 @@ def build(
     (``tag``, if given, is then set on it). ``normaliser``: a normaliser.npz to reuse instead of
     fitting one. ``dtype``: float32, bfloat16, or auto (bfloat16 where the hardware runs it fast,
     runtime/device.py ``resolve_build_dtype``); the manifest records the resolved name.
+    ``index``: ``dense`` (the default: every token embedded, a tokens table and a normaliser, for
+    dresd and respec's dense source) or ``sparse`` (token stream and suffix array only, built with
+    the tokenizer alone: rest, pld and respec's context and suffix sources); None: dense, or for
+    ``append``/``refit`` the parent's kind (an append never mixes kinds).
     """
     started = time.monotonic()
     dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
@@ -52,7 +56,7 @@ def build(
         in_process=test_pipeline is not None or single_process(runner, beam_args), progress=progress,
         max_docs=max_docs, sa_shard_tokens=sa_shard_tokens, regenerate=regenerate, max_doc_tokens=max_doc_tokens,
         max_new_tokens=max_new_tokens, pca_dims=pca_dims, continuation_length=continuation_length,
-        batch_tokens=batch_tokens, dtype=dtype,
+        batch_tokens=batch_tokens, dtype=dtype, index=index,
     )
     if plan.unchanged is not None:
         return keep_unchanged(store, plan, tag=tag, started=started)
@@ -73,7 +77,7 @@ def run_pipeline(plan: BuildPlan, *, runner: str = "DirectRunner", beam_args: li
     else:
         pipeline = beam.Pipeline(options=PipelineOptions([f"--runner={runner}", *(beam_args or [])]))
     try:
-        with workers.model_held(plan.model_path, plan.dtype, plan.in_process), pipeline as p:
+        with workers.model_held(plan.model_path, plan.dtype, plan.in_process and not plan.sparse), pipeline as p:
             expand_build(p, plan)
     finally:
         workers.close_progress()
@@ -94,6 +98,7 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
         pca_dims=args.pca_dims, continuation_length=args.continuation_length, batch_tokens=args.batch_tokens,
         dtype=args.dtype, tag=args.tag, runner=args.runner, beam_args=extra_beam_args, progress=sys.stderr.isatty(),
         mode=mode, force=getattr(args, "force", False), sa_shard_tokens=getattr(args, "sa_shard_tokens", None),
+        index=getattr(args, "index", None),
     )
     m = result.manifest
     tag = f" (tag {args.tag})" if args.tag else ""
@@ -101,8 +106,9 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
         print(f"{m.name}@{m.version}{tag}: unchanged (same corpus content, settings and model); no new version")
         return 0
     added = f", {m.lineage.added_documents} added by {mode}" if mode != "full" and m.lineage else ""
+    rate = f", {m.lineage.added_tokens / result.seconds:,.0f} tokens/s" if m.lineage and result.seconds > 0 else ""
     print(
-        f"{m.name}@{m.version}{tag}: {m.num_documents} documents{added}, {m.num_tokens} tokens, {m.num_rejected} rejected "
-        f"(see {result.rejected_path}) in {result.seconds:.1f} s"
+        f"{m.name}@{m.version}{tag}: {m.num_documents} documents{added}, {m.num_tokens} tokens ({m.index}), {m.num_rejected} rejected "
+        f"(see {result.rejected_path}) in {result.seconds:.1f} s{rate}"
     )
     return 0

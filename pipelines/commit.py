@@ -1,7 +1,7 @@
 """The commit sequence of a build whose pipeline has finished, and the result of every build.
 
 Owns turning the staging summary (summary.py) into one visible version: the tokens table's
-single Lance commit (for an append, the parent's fragments, hard-linked into the new table by
+single Lance commit (none for a sparse version, whose files are its stream and suffix array) (for an append, the parent's fragments, hard-linked into the new table by
 append.py, come first), removal of the staging files, checksums, the manifest with its lineage,
 ``Store.commit`` (the only step that makes the version visible) and the tag; and, for a build
 that would reproduce the newest version, tagging that one instead. Does not own the pipeline
@@ -39,33 +39,24 @@ class BuildResult:
 
 
 def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: float | None = None) -> BuildResult:
-    """Commit a build whose pipeline has finished: Lance commit, checksums, manifest, catalogue."""
-    import lance
-    from lance.fragment import FragmentMetadata
-
+    """Commit a build whose pipeline has finished: Lance commit (dense), checksums, manifest, catalogue."""
     if not plan.summary_path.is_file():
         raise SpecstoreError(f"build {plan.build_id} did not finish: no summary in {plan.staging_dir}")
     summary = BuildSummary.read(plan.summary_path)
-    if summary.num_new_documents == 0 or summary.num_rows == 0:
+    if summary.num_new_documents == 0 or (summary.num_rows == 0 and not plan.sparse):
         read = sum(s.num_records for s in summary.sources.values())
         raise SpecstoreError(
             f"no usable documents: {read} records read, {summary.num_rejected} rejected (reasons in {plan.rejected_path})"
         )
-    fragments = [FragmentMetadata.from_json(f) for f in summary.fragments]
-    if plan.base is not None:
-        fragments = link_parent_fragments(plan.base, plan.table_uri) + fragments
-    schema = tokens_schema(plan.pca_dims, plan.continuation_length)
-    dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments))
-    if dataset.count_rows() != summary.num_tokens or summary.num_rows != summary.num_tokens:
-        raise SpecstoreError(f"internal: {dataset.count_rows()} table rows for {summary.num_tokens} stream tokens")
+    data_files = [] if plan.sparse else _commit_table(plan, summary)
     shutil.rmtree(plan.staging_dir, ignore_errors=True)
 
     root = Path(plan.store_root)
     files_dir = Path(plan.files_dir)
     table_dir = Path(plan.table_uri)
-    data_files = sorted(table_dir / "data" / f.path for frag in dataset.get_fragments() for f in frag.data_files())
     index_files = shard_files(files_dir) or [files_dir / STREAM_FILE, files_dir / SA_FILE]
-    version_files = index_files + [files_dir / n for n in (NORMALISER_FILE, REJECTED_FILE)] + data_files
+    own_files = (REJECTED_FILE,) if plan.sparse else (NORMALISER_FILE, REJECTED_FILE)
+    version_files = index_files + [files_dir / n for n in own_files] + data_files
     files = checksum_files(root, [p.relative_to(root).as_posix() for p in version_files])
     base_sources = list(plan.base.sources) if plan.base else []
     sources = base_sources + [
@@ -83,7 +74,7 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
         model=plan.model_info, pca_dims=plan.pca_dims, continuation_length=plan.continuation_length,
         num_documents=summary.num_documents, num_tokens=summary.num_tokens,
         num_rejected=summary.num_rejected + (plan.base.num_rejected if plan.base else 0),
-        regenerated=plan.regenerate, sources=sources, tokens_table=table_dir.stem, files=files,
+        regenerated=plan.regenerate, sources=sources, index=plan.index, tokens_table="" if plan.sparse else table_dir.stem, files=files,
         settings=plan.recorded_settings(), lineage=lineage,
         parent_version=plan.base.version if plan.base else (newest[-1].version if newest else None),
         domain_centroid=None if summary.domain_centroid is None else list(summary.domain_centroid),
@@ -92,6 +83,22 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
     if tag is not None:
         store.set_tag(f"{plan.name}@{committed.version}", tag)
     return BuildResult(committed, summary.num_rejected, plan.rejected_path, time.monotonic() - (started or time.monotonic()))
+
+
+def _commit_table(plan: BuildPlan, summary: BuildSummary) -> list[Path]:
+    """The tokens table's single Lance commit (an append's parent fragments first); its data files."""
+    import lance
+    from lance.fragment import FragmentMetadata
+
+    fragments = [FragmentMetadata.from_json(f) for f in summary.fragments]
+    if plan.base is not None:
+        fragments = link_parent_fragments(plan.base, plan.table_uri) + fragments
+    schema = tokens_schema(plan.pca_dims, plan.continuation_length)
+    dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments))
+    if dataset.count_rows() != summary.num_tokens or summary.num_rows != summary.num_tokens:
+        raise SpecstoreError(f"internal: {dataset.count_rows()} table rows for {summary.num_tokens} stream tokens")
+    table_dir = Path(plan.table_uri)
+    return sorted(table_dir / "data" / f.path for frag in dataset.get_fragments() for f in frag.data_files())
 
 
 def keep_unchanged(store: Store, plan: BuildPlan, *, tag: str | None = None, started: float | None = None) -> BuildResult:

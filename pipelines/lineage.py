@@ -30,7 +30,7 @@ def fingerprint(manifest_or_settings: Manifest | dict, *, sources: list[tuple[st
         return fingerprint(
             dict(m.settings), sources=[(s.format, s.sha256) for s in m.sources], model=m.model,
             pipeline_version=m.pipeline_version, pca_dims=m.pca_dims, continuation_length=m.continuation_length,
-            regenerated=m.regenerated,
+            regenerated=m.regenerated, index=m.index,
         )
     settings = {k: v for k, v in manifest_or_settings.items() if k not in _IGNORED_SETTINGS}
     return (tuple(sources or ()), model.revision, model.tokenizer_hash, tuple(sorted(shape.items())), tuple(sorted(settings.items())))

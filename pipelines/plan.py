@@ -6,7 +6,9 @@ model), resolves the mode against the newest version (lineage.py; an append's pa
 settings from append.py), loads the model to check and fingerprint it, and says whether the
 build would reproduce the newest version. Its result, ``BuildPlan``, is one frozen, picklable
 record that the driver and every Beam step receive (no globals), with the staging locations
-inside the version's not yet visible file folder. Nothing here writes.
+inside the version's not yet visible file folder. A sparse plan (``index="sparse"``: stream and
+suffix array only) fingerprints the model from its folder (config, tokenizer and the weights'
+file hash) and never loads the weights. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, re
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.store import REJECTED_FILE, Store, VersionRecord, file_sha256, validate_name
-from specstore.schemas.manifest import ModelInfo
+from specstore.schemas.manifest import INDEX_KINDS, ModelInfo
 
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "summary.json"
@@ -43,6 +45,7 @@ class BuildPlan:
     source_hashes: tuple[str, ...] = ()  # content hash of each source, in the same order
     model_info: ModelInfo | None = None  # the model's fingerprint (set once it is loaded), recorded in the manifest
     mode: str = "full"  # full | append | refit (lineage.MODES)
+    index: str = "dense"  # dense: embed every token (tokens table, normaliser); sparse: stream and suffix array only
     dtype: str = "float32"
     regenerate: bool = False
     max_docs: int | None = None
@@ -74,6 +77,10 @@ class BuildPlan:
     def rejected_path(self) -> Path:
         return Path(self.files_dir) / REJECTED_FILE
 
+    @property
+    def sparse(self) -> bool:
+        return self.index == "sparse"
+
     def source(self, index: int) -> Source:
         """The source numbered ``index`` (an append numbers its sources after the parent's)."""
         for s in self.sources:
@@ -96,14 +103,14 @@ class BuildPlan:
         return fingerprint(
             self.recorded_settings(), sources=[(s.format, h) for s, h in zip(self.sources, self.source_hashes, strict=True)],
             model=self.model_info, pipeline_version=PIPELINE_VERSION, pca_dims=self.pca_dims,
-            continuation_length=self.continuation_length, regenerated=self.regenerate,
+            continuation_length=self.continuation_length, regenerated=self.regenerate, index=self.index,
         )
 
 
 def plan_build(
     store: Store, name: str, corpus: list[str], *, mode: str = "full", fmt: str = "auto", model: str | None = None,
     force: bool = False, normaliser: str | Path | None = None, in_process: bool = True, progress: bool = True,
-    max_docs: int | None = None, sa_shard_tokens: int | None = None, **settings,
+    max_docs: int | None = None, sa_shard_tokens: int | None = None, index: str | None = None, **settings,
 ) -> BuildPlan:
     """Decide one build of datastore ``name`` (see module doc); nothing is written.
 
@@ -114,7 +121,8 @@ def plan_build(
     ``normaliser``: a normaliser.npz to reuse instead of fitting one. ``in_process``: every step
     runs in this process (the model loaded here to check it is the one they use). ``settings``:
     the remaining BuildPlan fields (``regenerate``, ``pca_dims``, ``dtype``, ...); None means
-    the default.
+    the default. ``index``: ``dense`` or ``sparse`` (None: dense, or an append's parent's kind;
+    an append given the other kind is refused).
     """
     from specstore.runtime.models import resolve_model_path
 
@@ -124,11 +132,22 @@ def plan_build(
     parent = versions[-1] if versions else None
     if mode != "full" and parent is None:
         raise SpecstoreError(f"--{mode} needs an existing version of '{name}' in {store.root}")
+    if index is not None and index not in INDEX_KINDS:
+        raise SpecstoreError(f"unknown index kind {index!r}: choose one of {', '.join(INDEX_KINDS)}")
     settings = {k: v for k, v in settings.items() if v is not None} | {"sa_shard_tokens": sa_shard_tokens}
     normaliser_from = None
     if mode == "append":
+        index = append.kept_index(parent.manifest, index)
         settings |= append.kept_settings(parent.manifest, sa_shard_tokens)
-        normaliser, normaliser_from = store.files_dir(name, parent.build_id) / NORMALISER_FILE, parent.build_id
+        if index == "dense":
+            normaliser, normaliser_from = store.files_dir(name, parent.build_id) / NORMALISER_FILE, parent.build_id
+    elif mode == "refit" and index is None:
+        index = parent.manifest.index
+    index = index or "dense"
+    if index == "sparse" and settings.get("regenerate"):
+        raise SpecstoreError("--regenerate needs the model to write responses: build it with --index dense")
+    if index == "sparse" and normaliser is not None:
+        raise SpecstoreError("a sparse build fits no normaliser, so it reuses none: drop --normaliser or build --index dense")
     elif mode == "refit":
         corpus = refit_paths(parent.manifest, list(corpus))
     if normaliser is not None and normaliser_from is None:
@@ -139,11 +158,11 @@ def plan_build(
     plan = BuildPlan(
         name=name, build_id=build_id, store_root=str(store.root), table_uri=store.table_uri(Store.table_name(name, build_id)),
         files_dir=str(store.files_dir(name, build_id)), sources=tuple(sources), model_path=str(resolve_model_path(model)),
-        mode=mode, progress=progress, in_process=in_process, normaliser_path=None if normaliser is None else str(normaliser),
+        mode=mode, index=index, progress=progress, in_process=in_process, normaliser_path=None if normaliser is None else str(normaliser),
         normaliser_from=normaliser_from, max_docs=max_docs, **settings,
     )
-    info = _checked_model(model, plan)
-    if plan.pca_dims > info.hidden_size:
+    info = _folder_model(model) if plan.sparse else _checked_model(model, plan)
+    if not plan.sparse and plan.pca_dims > info.hidden_size:
         raise SpecstoreError(f"pca-dims {plan.pca_dims} exceeds the model's hidden size {info.hidden_size}")
     hashes = [source_sha256(s) for s in plan.sources]
     if mode == "append":
@@ -175,6 +194,16 @@ def _check_settings(settings: dict, max_docs: int | None) -> None:
             raise SpecstoreError(f"{key.replace('_', '-')} must be positive, got {settings[key]}")
     if max_docs is not None and max_docs < 0:
         raise SpecstoreError(f"max-docs must be >= 0, got {max_docs}")
+
+
+def _folder_model(model: str | None) -> ModelInfo:
+    """A sparse build's model fingerprint, from the folder: tokenizer and config, never the weights."""
+    from specstore.runtime.models import folder_model_info
+
+    try:
+        return folder_model_info(model)[1]
+    except (OSError, ValueError) as exc:
+        raise SpecstoreError(f"model {model or 'default'} is not usable: {exc}") from None
 
 
 def _checked_model(model: str | None, plan: BuildPlan) -> ModelInfo:

@@ -149,7 +149,20 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
 
 def tokenise(tokenizer, text: str) -> np.ndarray:
     """Token ids of an already rendered text (no special tokens added): int32 [T]."""
-    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+    return tokenise_batch(tokenizer, [text])[0]
+
+
+def tokenise_batch(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Token ids of each already rendered text (no special tokens added), one int32 array per
+    text: the fast tokenizer's batch encoding (Rust, in parallel) when its backend adds nothing of
+    its own (no truncation or padding set), else the tokenizer's call. Same ids either way."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: no character offsets
+        return [np.asarray(e.ids, dtype=np.int32) for e in encode(texts, add_special_tokens=False)]
+    return [np.asarray(ids, dtype=np.int32) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def chunk(tokens: np.ndarray, max_tokens: int) -> list[np.ndarray]:
@@ -163,39 +176,68 @@ def prepare(
     record: RawRecord, source_format: str, tokenizer, *, max_doc_tokens: int, regenerate: bool = False
 ) -> list[Document | Prompt | Rejection]:
     """One raw record -> its documents (or one prompt with ``regenerate``) or one rejection."""
+    return prepare_batch([record], lambda _: source_format, tokenizer, max_doc_tokens=max_doc_tokens, regenerate=regenerate)
 
-    def reject(reason: str) -> list[Rejection]:
-        return [Rejection(record.source_index, record.record_index, record.origin, reason)]
 
+def prepare_batch(
+    records: list[RawRecord], format_of, tokenizer, *, max_doc_tokens: int, regenerate: bool = False
+) -> list[Document | Prompt | Rejection]:
+    """Raw records -> their documents, prompts and rejections, in record order, every text of the
+    batch tokenised in one call (``format_of(source_index)``: a record's source format). Each
+    record gives what ``prepare`` gives it alone."""
+    out: list[Document | Prompt | Rejection] = []
+    rendered: list[tuple[RawRecord, str, str]] = []  # (record, kind, text to tokenise), kind: text | prompt | chat
+    slots: list[int | list] = []  # per record: an index into rendered, or its rejection
+    for record in records:
+        found = _render(record, format_of(record.source_index), tokenizer, regenerate)
+        if isinstance(found, str):
+            slots.append([Rejection(record.source_index, record.record_index, record.origin, found)])
+        else:
+            slots.append(len(rendered))
+            rendered.append((record, *found))
+    tokens = tokenise_batch(tokenizer, [text for _, _, text in rendered])
+    for slot in slots:
+        if isinstance(slot, list):
+            out.extend(slot)
+            continue
+        (record, kind, _), ids = rendered[slot], tokens[slot]
+        if kind == "text":  # raw text: split, never rejected for length
+            out.extend(Document(doc_id(record.source_index, record.record_index, i), p) for i, p in enumerate(chunk(ids, max_doc_tokens)))
+        elif kind == "prompt" and len(ids) >= max_doc_tokens:
+            out.append(Rejection(record.source_index, record.record_index, record.origin,
+                                 f"prompt too long: {len(ids)} tokens >= max_doc_tokens {max_doc_tokens}"))
+        elif kind == "chat" and len(ids) > max_doc_tokens:
+            out.append(Rejection(record.source_index, record.record_index, record.origin,
+                                 f"too long: {len(ids)} tokens > max_doc_tokens {max_doc_tokens}"))
+        else:
+            out.append((Prompt if kind == "prompt" else Document)(doc_id(record.source_index, record.record_index), ids))
+    return out
+
+
+def _render(record: RawRecord, source_format: str, tokenizer, regenerate: bool) -> tuple[str, str] | str:
+    """``(kind, text)``: what of a record gets tokenised (kind ``text``, ``prompt`` or ``chat``),
+    or the reason it is rejected."""
     if record.error is not None:
-        return reject(record.error)
+        return record.error
     if source_format in ("text", "code-dir"):
         content: list[dict] | str = record.payload if isinstance(record.payload, str) else ""
         if not content.strip():
-            return reject("empty record")
+            return "empty record"
     else:
         try:
             content = to_messages(record.payload)
         except ValueError as exc:
-            return reject(str(exc))
+            return str(exc)
+    if isinstance(content, str):
+        return "text", content
     try:
-        if isinstance(content, str):  # raw text: split, never rejected for length
-            tokens = tokenise(tokenizer, content)
-            pieces = chunk(tokens, max_doc_tokens)
-            return [Document(doc_id(record.source_index, record.record_index, i), p) for i, p in enumerate(pieces)]
         if regenerate:
             prompt = regeneration_prompt(content)
             if not prompt:
-                return reject("conversation starts with an assistant message: nothing to answer")
-            tokens = tokenise(tokenizer, render_chat(tokenizer, prompt, add_generation_prompt=True))
-            if len(tokens) >= max_doc_tokens:
-                return reject(f"prompt too long: {len(tokens)} tokens >= max_doc_tokens {max_doc_tokens}")
-            return [Prompt(doc_id(record.source_index, record.record_index), tokens)]
+                return "conversation starts with an assistant message: nothing to answer"
+            return "prompt", render_chat(tokenizer, prompt, add_generation_prompt=True)
         if not any(m["role"] == "assistant" for m in content):
-            return reject("no response (build with --regenerate to let the model answer)")
-        tokens = tokenise(tokenizer, render_chat(tokenizer, content))
+            return "no response (build with --regenerate to let the model answer)"
+        return "chat", render_chat(tokenizer, content)
     except ValueError as exc:
-        return reject(str(exc))
-    if len(tokens) > max_doc_tokens:
-        return reject(f"too long: {len(tokens)} tokens > max_doc_tokens {max_doc_tokens}")
-    return [Document(doc_id(record.source_index, record.record_index), tokens)]
+        return str(exc)

@@ -19,12 +19,13 @@ from specstore.pipelines.embed import StagedBatch, embed_documents, generate_res
 from specstore.pipelines.layout import StreamLayout
 from specstore.pipelines.normalise import NormStats, sample_rows
 from specstore.pipelines.plan import BuildPlan
-from specstore.pipelines.render import Document, Rejection, prepare
+from specstore.pipelines.render import Document, Rejection, prepare_batch
 from specstore.runtime.normaliser import Normaliser
 
 
 class PrepareFn(beam.DoFn):
-    """Raw record -> documents (main), prompts (``prompts``) or a rejection (``rejected``)."""
+    """A batch of raw records -> documents (main), prompts (``prompts``) or rejections
+    (``rejected``); the batch's texts are tokenised in one call (render.prepare_batch)."""
 
     def __init__(self, plan: BuildPlan):
         self.plan = plan
@@ -32,10 +33,11 @@ class PrepareFn(beam.DoFn):
     def setup(self):
         self.tokenizer = workers.shared_tokenizer(self.plan.model_path)
 
-    def process(self, record, total: int | None = None):
-        workers.advance("prepare", 1, self.plan.progress, total, unit="doc")
-        fmt = self.plan.source_format(record.source_index)
-        for item in prepare(record, fmt, self.tokenizer, max_doc_tokens=self.plan.max_doc_tokens, regenerate=self.plan.regenerate):
+    def process(self, records, total: int | None = None):
+        workers.advance("prepare", len(records), self.plan.progress, total, unit="doc")
+        items = prepare_batch(records, self.plan.source_format, self.tokenizer, max_doc_tokens=self.plan.max_doc_tokens,
+                              regenerate=self.plan.regenerate)
+        for item in items:
             if isinstance(item, Rejection):
                 yield beam.pvalue.TaggedOutput("rejected", item)
             elif isinstance(item, Document):

@@ -83,7 +83,7 @@ def summarise(
     """The summary of a build from its written fragments and layout (an append's parent's rows
     and embedding sum included) and the records read and rejected per source."""
     written = sorted(written, key=lambda f: f.first_offset)
-    num_rows = sum(f.num_rows for f in written) + (base.num_tokens if base else 0)
+    num_rows = sum(f.num_rows for f in written) + (base.num_rows if base else 0)
     sums = [list(f.embedding_sum) for f in written] + ([list(base.embedding_sum)] if base and base.embedding_sum else [])
     emb_sum = np.sum(sums, axis=0) if sums else None
     return BuildSummary(

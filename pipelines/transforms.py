@@ -1,5 +1,8 @@
 """The build pipeline's graph: corpus -> documents -> embeddings -> normaliser -> fragments.
 
+A sparse build (``plan.index == "sparse"``) is corpus -> documents -> stream and suffix array:
+no Embed step, no normaliser, no tokens table, and no model (the tokenizer alone).
+
 Owns how the steps are wired, labelled and batched: the DoFns of steps.py, the writers of
 writers.py, the layout of layout.py, an append's reused shards (append.py) and the progress
 bars' totals. ``expand_build(p, plan)`` adds the whole build to a pipeline (a TestPipeline in
@@ -22,14 +25,16 @@ from specstore.pipelines.layout import StreamLayout, assign_shards
 from specstore.pipelines.plan import BuildPlan
 from specstore.pipelines.summary import BuildSummary, WrittenFragment, summarise
 
+PREPARE_BATCH = 64  # records rendered and tokenised together (one batched call of the fast tokenizer)
+
 
 @dataclass(frozen=True)
 class BuildOutputs:
     records: PCollection  # RawRecord
     documents: PCollection  # Document (after regeneration, if any)
     rejected: PCollection  # Rejection
-    staged: PCollection  # StagedBatch
-    normaliser: PCollection  # one Normaliser (or None)
+    staged: PCollection  # StagedBatch (empty when sparse)
+    normaliser: PCollection  # one Normaliser (or None; empty when sparse)
     layout: PCollection  # one StreamLayout
     fragments: PCollection  # WrittenFragment
     summary: PCollection  # one BuildSummary, also written to plan.summary_path
@@ -86,6 +91,7 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
     prepared = (
         records
         | "SpreadRecords" >> beam.Reshuffle()
+        | "BatchRecords" >> beam.BatchElements(min_batch_size=PREPARE_BATCH, max_batch_size=PREPARE_BATCH)
         | "RenderTokenise" >> beam.ParDo(steps.PrepareFn(plan), total=_total(plan, records, "Records", lambda r: 1))
         .with_outputs("rejected", "prompts", main="documents")
     )
@@ -98,20 +104,22 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         )
         documents = (documents, generated) | "AllDocuments" >> beam.Flatten()
 
-    embedded = (
-        documents
-        | "BatchDocuments" >> _Batch(plan.batch_tokens)
-        | "Embed" >> beam.ParDo(steps.EmbedFn(plan), total=_total(plan, documents, "Tokens", lambda d: len(d.tokens)))
-        .with_outputs("stats", main="staged")
-    )
-    if plan.normaliser_path is not None:  # append: the parent's normaliser, so old rows stay valid
-        normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(writers.reuse_normaliser, plan=plan)
-    else:
-        normaliser = (
-            embedded.stats
-            | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
-            | "FitNormaliser" >> beam.Map(writers.fit_and_save, plan=plan)
+    if not plan.sparse:
+        embedded = (
+            documents
+            | "BatchDocuments" >> _Batch(plan.batch_tokens)
+            | "Embed" >> beam.ParDo(steps.EmbedFn(plan), total=_total(plan, documents, "Tokens", lambda d: len(d.tokens)))
+            .with_outputs("stats", main="staged")
         )
+        staged = embedded.staged
+        if plan.normaliser_path is not None:  # append: the parent's normaliser, so old rows stay valid
+            normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(writers.reuse_normaliser, plan=plan)
+        else:
+            normaliser = (
+                embedded.stats
+                | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
+                | "FitNormaliser" >> beam.Map(writers.fit_and_save, plan=plan)
+            )
     if plan.sa_shard_tokens is None:  # one suffix array: the whole token stream meets on one worker
         layout = (
             documents
@@ -139,9 +147,14 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
             | "ReuseShards" >> beam.FlatMap(append.link_untouched_shard, plan=plan, layout=AsSingleton(layout))
         )
         shards_done = (built, reused) | "ShardsDone" >> beam.Flatten()
-    fragments = embedded.staged | "WriteFragments" >> beam.FlatMap(
-        steps.write_fragment, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan
-    )
+    if plan.sparse:  # no rows: the stream and suffix array are the whole version
+        staged = p | "NoStaged" >> beam.Create([])
+        normaliser = p | "NoNormaliser" >> beam.Create([])
+        fragments = p | "NoFragments" >> beam.Create([])
+    else:
+        fragments = staged | "WriteFragments" >> beam.FlatMap(
+            steps.write_fragment, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan
+        )
     num_rejected = (
         prepared.rejected
         | "CollectRejected" >> beam.combiners.ToList()
@@ -159,7 +172,7 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
             read_counts=AsDict(read_counts), rejected_counts=AsDict(rejected_counts), shards_done=AsList(shards_done),
         )
     )
-    return BuildOutputs(records, documents, prepared.rejected, embedded.staged, normaliser, layout, fragments, summary)
+    return BuildOutputs(records, documents, prepared.rejected, staged, normaliser, layout, fragments, summary)
 
 
 def _write_summary(
@@ -167,7 +180,7 @@ def _write_summary(
     rejected_counts: dict, shards_done: list[int],
 ) -> BuildSummary:
     """Everything the driver needs to commit, as one small JSON file in the staging folder
-    (written after every fragment and suffix-array shard)."""
+    (written after every fragment and suffix-array shard, and, one array, after the stream)."""
     if plan.sa_shard_tokens is not None and sorted(shards_done) != list(range(len(layout.shards))):
         raise RuntimeError(f"internal: shards written {sorted(shards_done)}, layout has {len(layout.shards)}")
     summary = summarise(

@@ -68,6 +68,10 @@ def _build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--append", action="store_true", help="add the corpora the newest version lacks, reusing its rows and normaliser (its settings win)")
     mode.add_argument("--refit", action="store_true", help="rebuild the newest version's corpora plus these, refitting the normaliser")
     p.add_argument("--sa-shard-tokens", type=int, default=None, metavar="N", help="build the suffix array in shards of at most N tokens, on separate workers (large corpora)")
+    p.add_argument("--index", default=None, choices=["dense", "sparse"],
+                   help="dense (default): embed every token with the model (tokens table + normaliser: dresd, respec's dense source); "
+                   "sparse: token stream and suffix array only, tokenizer alone, no model forward (rest, pld, respec without its "
+                   "dense source; much faster, for large corpora). --append keeps the parent's kind")
     p.add_argument("--force", action="store_true", help="build even when corpus content, settings and model are unchanged")
     p.set_defaults(handler=_cmd_build, forwards_to="beam")
 
@@ -226,6 +230,7 @@ def _cmd_versions(args: argparse.Namespace, extra: list[str]) -> int:
             "build_id": r.build_id,
             "model": r.manifest.model.model_id,
             "regenerated": r.manifest.regenerated,
+            "index": r.manifest.index,
         }
         for r in records
     ]
@@ -235,9 +240,10 @@ def _cmd_versions(args: argparse.Namespace, extra: list[str]) -> int:
     if not rows:
         print(f"no versions of '{args.name}' in {args.store}")
         return 0
-    print(f"{'version':>7}  {'tags':<20} {'documents':>9} {'tokens':>10} {'rejected':>8}  created_at")
+    print(f"{'version':>7}  {'tags':<20} {'index':<6} {'documents':>9} {'tokens':>10} {'rejected':>8}  created_at")
     for r in rows:
-        print(f"{r['version']:>7}  {','.join(r['tags']) or '-':<20} {r['num_documents']:>9} {r['num_tokens']:>10} {r['num_rejected']:>8}  {r['created_at']}")
+        print(f"{r['version']:>7}  {','.join(r['tags']) or '-':<20} {r['index']:<6} {r['num_documents']:>9} {r['num_tokens']:>10} "
+              f"{r['num_rejected']:>8}  {r['created_at']}")
     return 0
 
 

@@ -71,9 +71,12 @@ def _resolve(args: argparse.Namespace):
     refs = [r.strip() for r in args.datastore.split(",") if r.strip()]
     if not refs:
         raise SpecstoreError(f"--datastore {args.datastore!r} names no datastore")
+    from specstore.runtime.drafters import registry
+
     store = Store.from_args(args)
     for ref in refs:
-        store.resolve(ref)
+        record = store.resolve(ref)
+        registry.check_index([args.method], record.manifest, f"{record.name}@{record.version}")
     return store, refs
 
 

@@ -46,7 +46,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SpecstoreError(f"method '{args.method}' needs --datastore NAME[@VERSION|@TAG]")
     store = Store.from_args(args) if refs else None
     for ref in refs:
-        store.resolve(ref)  # fail fast, before the model loads
+        record = store.resolve(ref)  # fail fast, before the model loads
+        registry.check_index([args.method], record.manifest, f"{record.name}@{record.version}")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -6,7 +6,8 @@ present with its recorded size, the suffix index's ``.npy`` headers consistent w
 manifest's counts; full checksums only on request, as ``specstore verify`` does), refusing a
 version built for another model or tokenizer (the error names the field), and holding what the
 drafters read: the normaliser, the memory-mapped suffix array, the rows' continuations and the
-dense index. Does not own the store catalogue (store.py), building versions (pipelines/) or
+dense index. A sparse version (``manifest.index == "sparse"``) has only the suffix index: no
+normaliser, no tokens table; asking it for its dense index is a SpecstoreError. Does not own the store catalogue (store.py), building versions (pipelines/) or
 drafting.
 """
 
@@ -44,11 +45,12 @@ def check_model(manifest: Manifest, info: ModelInfo) -> None:
 @dataclass
 class Datastore:
     """One opened version. ``continuations``: int32 [N, L] (-1 padded) and ``continuation_lens``:
-    int [N], one row per datastore position in table order; ``dense`` searches the same rows."""
+    int [N], one row per datastore position in table order; ``dense`` searches the same rows.
+    ``normaliser`` is None for a sparse version."""
 
     store: Store
     record: VersionRecord
-    normaliser: Normaliser
+    normaliser: Normaliser | None
     suffix: SuffixIndex | ShardedSuffixIndex
     continuations: np.ndarray | None = None
     continuation_lens: np.ndarray | None = None
@@ -62,6 +64,11 @@ class Datastore:
     @property
     def ref(self) -> str:
         return f"{self.record.name}@{self.record.version}"
+
+    @property
+    def has_dense(self) -> bool:
+        """Whether the version has a dense index (tokens table and normaliser): not when sparse."""
+        return self.manifest.index == "dense"
 
     @classmethod
     def open(
@@ -82,7 +89,8 @@ class Datastore:
         grow with: each file's size, the suffix index's ``.npy`` headers (memory maps) and the
         normaliser.
         ``dense``: load the tokens table and build the dense index (DReSD needs it, REST does
-        not). ``device``: where the dense index searches.
+        not), when the version has one (a sparse version opens without it). ``device``: where the
+        dense index searches.
         """
         store = store if isinstance(store, Store) else Store(store)
         record = store.resolve(ref)
@@ -91,21 +99,26 @@ class Datastore:
             check_model(manifest, model_info)
         verify_files(store.location, manifest.files, full=verify)
         files = _local_files(store, manifest)
-        normaliser = _load(files / NORMALISER_FILE, Normaliser.load)
-        _check_normaliser(manifest, normaliser)
+        normaliser = None
+        if manifest.index == "dense":
+            normaliser = _load(files / NORMALISER_FILE, Normaliser.load)
+            _check_normaliser(manifest, normaliser)
         # one suffix array, or shards searched together; drafts end at any id outside the vocabulary
         suffix = _load(files, lambda folder: load_suffix_index(folder, manifest.model.vocab_size))
         _check_suffix(manifest, suffix, files)
         ds = cls(store, record, normaliser, suffix, device=torch.device(device))
-        if dense:
+        if dense and ds.has_dense:
             ds.load_dense()
         return ds
 
     def load_dense(self) -> DenseIndex:
-        """Read the tokens table's embeddings and continuations and build the dense index."""
+        """Read the tokens table's embeddings and continuations and build the dense index
+        (SpecstoreError for a sparse version, which has none)."""
         if self.dense is not None:
             return self.dense
         m = self.manifest
+        if not self.has_dense:
+            raise SpecstoreError(f"datastore {self.ref} is sparse: it has no dense index (tokens table); rebuild it with --index dense")
         try:
             table = self.store.open_table(m.tokens_table)
         except Exception as exc:  # lancedb raises several types for a missing or unreadable table

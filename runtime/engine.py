@@ -216,8 +216,8 @@ class Engine:
             ids = self.prompt_ids(prompt, template)
             slot, routing = self._pick(slots, method, datastore, ids, template)
             ds = slot.datastore if slot is not None else None
-            if ds is not None and registry.needs_dense([method]) and ds.dense is None:
-                ds.load_dense()
+            if ds is not None and registry.needs_dense([method]) and ds.dense is None and ds.has_dense:
+                ds.load_dense()  # a sparse version has none: dresd refuses it (registry.check_index), respec skips it
             drafter = self._drafter(method, ds)
             out = api.generate(self.model, self.tokenizer, ids, drafter=drafter, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, seed=seed, stream=_checked(stream, cancel))

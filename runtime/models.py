@@ -171,6 +171,21 @@ def load_model(model: str | None = None, *, dtype: str | torch.dtype | None = No
     return LoadedModel(lm, tok, model_info(lm, tok, model_id_of(model, path), path), path)
 
 
+def folder_model_info(model: str | None = None) -> tuple[object, ModelInfo]:
+    """``(tokenizer, info)`` of a model folder without loading its weights: the fingerprint
+    ``load_model(model).info`` has (the weights' revision is their files' hash), from the config
+    and the tokenizer alone. For work that needs only token ids (a sparse build)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_path(model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    config = AutoConfig.from_pretrained(str(path))
+    hidden = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
+    info = ModelInfo(model_id=model_id_of(model, path), revision=folder_hash(path), tokenizer_hash=tokenizer_hash(tok),
+                     vocab_size=int(config.vocab_size), hidden_size=int(hidden))
+    return tok, info
+
+
 def model_id_of(model: str | None, path: Path) -> str:
     """The id a manifest records for ``--model`` ``model`` (resolved to ``path``)."""
     return DEFAULT_MODEL if model in (None, DEFAULT_MODEL) else str(path)

@@ -5,8 +5,10 @@ with the chat template, when the caller passes it: every chat datastore holds th
 so only the content tells domains apart) are put through each datastore's own normaliser (a
 datastore's vectors live in its own reduced space), averaged, and compared by cosine similarity
 with that datastore's ``manifest.domain_centroid`` (the mean of its rows, written by the build);
-the closest wins. How well it routes: ``benchmarks/routing_eval.py``. Does not own opening
-datastores or decoding.
+the closest wins. When any of the datastores is sparse (no normaliser, no centroid: built with
+``--index sparse``), all are scored lexically instead, by the share of the content's token
+4-grams their suffix index holds (one scale for all, no model forward). How well it routes:
+``benchmarks/routing_eval.py``. Does not own opening datastores or decoding.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import hidden_states
+
+LEXICAL_NGRAM = 4  # token n-grams a lexical route looks up
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +36,12 @@ class Router:
     def __init__(self, datastores: list):
         if not datastores:
             raise SpecstoreError("routing needs at least one datastore")
+        self.lexical = any(ds.manifest.index == "sparse" for ds in datastores)
         for ds in datastores:
-            if ds.manifest.domain_centroid is None:
+            if not self.lexical and ds.manifest.domain_centroid is None:
                 raise SpecstoreError(f"datastore {ds.ref} has no domain centroid (built before routing existed): rebuild it")
         self.datastores = datastores
-        self._centroids = [np.asarray(ds.manifest.domain_centroid, dtype=np.float64) for ds in datastores]
+        self._centroids = [] if self.lexical else [np.asarray(ds.manifest.domain_centroid, dtype=np.float64) for ds in datastores]
 
     def route(self, model, prompt_ids: list[int], template_ids: list[int] | None = None) -> Route:
         """Score the prompt (token ids, as the model sees it) against every datastore.
@@ -45,6 +50,11 @@ class Router:
         the positions the prompt shares with it at its start and end (system prompt, role
         markers) are left out of the average, so that short prompts are judged by their content
         and not by the template every datastore of chat data also holds."""
+        if self.lexical:
+            start, end = content_span(prompt_ids, template_ids)
+            scores = {ds.ref: ngram_coverage(ds.suffix, prompt_ids[start:end]) for ds in self.datastores}
+            best = max(range(len(self.datastores)), key=lambda i: scores[self.datastores[i].ref])
+            return Route(best, scores)
         device = next(model.parameters()).device
         with torch.inference_mode():
             hidden = hidden_states(model, torch.tensor([prompt_ids], device=device))[0].cpu().numpy()
@@ -59,6 +69,15 @@ class Router:
 
     def pick(self, model, prompt_ids: list[int], template_ids: list[int] | None = None):
         return self.datastores[self.route(model, prompt_ids, template_ids).index]
+
+
+def ngram_coverage(suffix, ids: list[int], n: int = LEXICAL_NGRAM) -> float:
+    """The share of the ``n``-grams of ``ids`` (all of ``ids`` when shorter) found in ``suffix``."""
+    ids = [int(t) for t in ids]
+    grams = [ids[i : i + n] for i in range(max(len(ids) - n + 1, 1))] if ids else []
+    if not grams:
+        return 0.0
+    return sum(suffix.find(g).count > 0 for g in grams) / len(grams)
 
 
 def content_span(prompt_ids: list[int], template_ids: list[int] | None) -> tuple[int, int]:

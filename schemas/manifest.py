@@ -8,10 +8,12 @@ runtime on open. Does not own how versions are stored (runtime/store.py) or buil
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MANIFEST_FORMAT = 1
+INDEX_KINDS = ("dense", "sparse")  # what a version holds besides its suffix index (Manifest.index)
 
 
 class SourceInfo(BaseModel):
@@ -80,7 +82,10 @@ class Manifest(BaseModel):
     num_rejected: int
     regenerated: bool = False
     sources: list[SourceInfo]
-    tokens_table: str = Field(description="LanceDB table name holding the tokens rows of this version")
+    index: Literal["dense", "sparse"] = Field(
+        "dense", description="dense: tokens table, normaliser and suffix array; sparse: token stream and suffix array only"
+    )
+    tokens_table: str = Field(description="LanceDB table name holding the tokens rows of this version ('' when sparse)")
     files: dict[str, FileInfo] = Field(default_factory=dict, description="file name -> checksum")
     settings: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     parent_version: int | None = None

@@ -35,7 +35,7 @@ def _one_error_line(capsys, argv: list[str]) -> str:
         (["--tags", "prod"], "--tags", "did you mean --tag?"),
         (["--max-doc", "5"], "--max-doc", "did you mean --max-docs?"),  # a prefix is not taken for --max-docs
         (["--max_docs", "5"], "--max_docs", "did you mean --max-docs?"),
-        (["--index", "sparse"], "--index", None),
+        (["--indx", "sparse"], "--indx", "did you mean --index?"),
         (["--frobnicate=1"], "--frobnicate", None),
         (["--direct_num_worker=2"], "--direct_num_worker", "did you mean --direct_num_workers?"),  # near a Beam option
     ],

@@ -26,7 +26,7 @@ from specstore.runtime.api import generate, prompt_ids
 from specstore.runtime.bench.metrics import first_difference, summarise
 from specstore.runtime.bench.questions import Question, load_questions
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.drafters.registry import datastore_methods, make_drafter, needs_dense
+from specstore.runtime.drafters.registry import check_index, datastore_methods, make_drafter, needs_dense
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
 from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord
@@ -148,6 +148,11 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     with_datastore = datastore_methods(methods)
     if with_datastore and datastore is None:
         raise SpecstoreError(f"methods {', '.join(with_datastore)} need --datastore")
+    if with_datastore:  # a method the version cannot serve (dresd on a sparse one) fails before the model loads
+        from specstore.runtime.store import Store
+
+        record = (store if isinstance(store, Store) else Store(store)).resolve(datastore)
+        check_index(methods, record.manifest, f"{record.name}@{record.version}")
     lm = load_model(model, dtype=dtype, device=device)
     ds = None
     if with_datastore:

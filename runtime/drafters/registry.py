@@ -4,8 +4,10 @@ CLI, the API, the bench and the simulator.
 A method is a ``Method``: its factory ``create(datastore=None, **options) -> Drafter`` in the
 drafter's own module, named as ``"module:function"`` and imported only when asked for (a
 datastore-backed drafter may pull in LanceDB); what it reads (a datastore's suffix array, its
-dense index, the target's hidden state or logits); and optionally a light module (no torch)
-with its ``generate`` command-line options. To add a method, add one entry to ``METHODS`` (or
+dense index, the target's hidden state or logits); whether it still works on a sparse version
+(no dense index: ``sparse_ok``, respec skips its dense source) or refuses one (``check_index``,
+one clear error); and optionally a light module (no torch) with its ``generate`` command-line
+options. To add a method, add one entry to ``METHODS`` (or
 call ``register``). A factory that needs a datastore raises SpecstoreError when given none.
 
 A CLI module defines ``add_cli_options(parser)`` (an argument group), ``given(args) -> list of
@@ -35,6 +37,7 @@ class Method:
     dense: bool = False  # reads its dense index (opening then loads the tokens table)
     states: bool = False  # reads the target's hidden state or logits (the simulator computes them)
     cli: str | None = None  # module with the method's own `generate` options
+    sparse_ok: bool = False  # reads the dense index only when the version has one (a sparse version has none)
 
     @property
     def datastore(self) -> bool:
@@ -47,16 +50,16 @@ METHODS: dict[str, Method] = {
     "pld": Method(_D + "pld:create"),
     "rest": Method(_D + "rest:create", suffix=True),
     "dresd": Method(_D + "dresd:create", dense=True, states=True),
-    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli"),
+    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
 
 
 def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
-             states: bool = False, cli: str | None = None) -> None:
+             states: bool = False, cli: str | None = None, sparse_ok: bool = False) -> None:
     """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
-    METHODS[method] = Method(factory, suffix, dense, states, cli)
+    METHODS[method] = Method(factory, suffix, dense, states, cli, sparse_ok)
 
 
 def available() -> list[str]:
@@ -80,6 +83,20 @@ def needs_dense(methods: Iterable[str]) -> bool:
     return any(m in METHODS and METHODS[m].dense for m in methods)
 
 
+def check_index(methods: Iterable[str], manifest, ref: str | None = None) -> None:
+    """Raise SpecstoreError (one line) when a method among ``methods`` needs a dense index and
+    the version of ``manifest`` is sparse (built with ``--index sparse``)."""
+    if getattr(manifest, "index", "dense") != "sparse":
+        return
+    for m in methods:
+        spec = METHODS.get(m)
+        if spec is not None and spec.dense and not spec.sparse_ok:
+            ref = ref or f"{manifest.name}@{manifest.version}"
+            usable = ", ".join(k for k, v in METHODS.items() if not v.dense or v.sparse_ok)
+            raise SpecstoreError(f"method '{m}' needs a dense index, and datastore {ref} is sparse (built with --index sparse): "
+                                 f"rebuild it with --index dense, or use one of {usable}")
+
+
 def needs_states(methods: Iterable[str]) -> bool:
     """True when any registered method among ``methods`` reads the target's hidden state or logits."""
     return any(m in METHODS and METHODS[m].states for m in methods)
@@ -88,6 +105,8 @@ def needs_states(methods: Iterable[str]) -> bool:
 def make_drafter(method: str, datastore=None, **options) -> Drafter:
     """Build the drafter for ``method`` (ar, pld, and whatever else is registered)."""
     factory = method_info(method).factory
+    if datastore is not None and hasattr(datastore, "manifest"):
+        check_index([method], datastore.manifest, getattr(datastore, "ref", None))
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
