@@ -10,8 +10,6 @@ the layout's (layout.py); the parent's normaliser is reused like any given one (
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,8 +17,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specstore.pipelines.corpus import Source
+from specstore.pipelines.files import local_copy
 from specstore.runtime.errors import ManifestMismatchError, SpecstoreError
-from specstore.runtime.sharded_suffix import shard_dir, shard_files
+from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_dir
+from specstore.runtime.storage import Location
 from specstore.runtime.store import Store, VersionRecord
 from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
 from specstore.schemas.manifest import Manifest, ModelInfo, SourceInfo
@@ -39,7 +39,7 @@ class BaseVersion:
 
     version: int
     build_id: str
-    files_dir: str
+    files_dir: str  # a local path, or a URI in a remote store
     table_uri: str
     num_documents: int
     num_tokens: int
@@ -47,6 +47,7 @@ class BaseVersion:
     embedding_sum: tuple[float, ...]  # domain_centroid x num_tokens, to combine with the new rows
     shards: tuple[tuple[int, int], ...] = ()  # (stream offset, stream length) of each suffix-array shard; () if one array
     index: str = "dense"  # a sparse parent has no table rows
+    files_rel: str = ""  # the files folder relative to the store's root
 
     @property
     def num_rows(self) -> int:
@@ -66,14 +67,15 @@ class BaseVersion:
     def of(cls, store: Store, record: VersionRecord) -> BaseVersion:
         m = record.manifest
         centroid = m.domain_centroid or []
-        files = store.files_dir(m.name, m.build_id)
+        rel = Store.files_rel(m.name, m.build_id)
         shards, offset = [], 0
-        for stream in shard_files(files)[::2]:  # (stream, suffix array) per shard, in shard order
-            length = int(np.load(stream, mmap_mode="r").shape[0])
+        prefix = f"{rel}/{SHARDS_DIR}/"
+        for stream in sorted(f for f in m.files if f.startswith(prefix) and f.endswith("/" + STREAM_FILE)):  # shard order
+            length = _npy_length(store.location, stream)
             shards.append((offset, length))
             offset += length
         return cls(
-            version=record.version, build_id=m.build_id, files_dir=str(files),
+            version=record.version, build_id=m.build_id, files_dir=store.location.child(rel), files_rel=rel,
             table_uri=store.table_uri(m.tokens_table) if m.tokens_table else "", num_documents=m.num_documents, num_tokens=m.num_tokens,
             sources=tuple(m.sources), embedding_sum=tuple(float(c) * m.num_tokens for c in centroid),
             shards=tuple(shards), index=m.index,
@@ -121,10 +123,20 @@ def new_sources(parent: Manifest, sources: list[Source], hashes: list[str]) -> t
     return [Source(offset + i, s.path, s.format) for i, (s, _) in enumerate(kept)], [h for _, h in kept]
 
 
-def parent_stream(base: BaseVersion, shard: int | None = None) -> np.ndarray:
+def _npy_length(location: Location, rel: str) -> int:
+    """The length of a 1-D ``.npy`` file of a store, from its header alone."""
+    with location.open_input(rel) as handle:
+        major, _ = np.lib.format.read_magic(handle)
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, _ = read(handle)
+    return int(shape[0])
+
+
+def parent_stream(base: BaseVersion, shard: int | None = None, storage_options: dict | None = None) -> np.ndarray:
     """The parent's token stream (or that of its shard ``shard``), to put ahead of new documents."""
-    folder = Path(base.files_dir) if shard is None else shard_dir(Path(base.files_dir), shard)
-    return np.load(folder / STREAM_FILE)
+    name = STREAM_FILE if shard is None else f"{shard_dir(Path(), shard).as_posix()}/{STREAM_FILE}"
+    with local_copy(f"{base.files_dir}/{name}", storage_options) as path:
+        return np.load(path)
 
 
 def link_untouched_shard(index: int, plan: BuildPlan, layout: StreamLayout) -> list[int]:
@@ -132,37 +144,26 @@ def link_untouched_shard(index: int, plan: BuildPlan, layout: StreamLayout) -> l
     ``[]`` for one that does (writers.write_shard rebuilds it)."""
     if layout.shards[index].takes_new_documents:
         return []
-    source, target = shard_dir(Path(plan.base.files_dir), index), shard_dir(Path(plan.files_dir), index)
-    target.mkdir(parents=True, exist_ok=True)
+    shard = shard_dir(Path(), index).as_posix()
     for name in (STREAM_FILE, SA_FILE):
-        link_or_copy(source / name, target / name)
+        plan.location.copy(f"{plan.base.files_rel}/{shard}/{name}", f"{plan.files_rel}/{shard}/{name}")
     return [index]
 
 
-def link_parent_fragments(base: BaseVersion, table_uri: str) -> list:
-    """The parent's fragments, their data files hard-linked (copied across devices) into the new
-    table, so the new version never depends on the parent's files and gc may remove either."""
+def link_parent_fragments(base: BaseVersion, table_uri: str, location: Location) -> list:
+    """The parent's fragments, their data files hard-linked (copied across devices, or on an
+    object store) into the new table, so the new version never depends on the parent's files
+    and gc may remove either."""
     import lance
 
-    dataset = lance.dataset(base.table_uri)
-    data_dir = Path(table_uri) / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    dataset = lance.dataset(base.table_uri, storage_options=location.options or None)
+    parent, table = base.table_uri.rstrip("/").rsplit("/", 1)[-1], table_uri.rstrip("/").rsplit("/", 1)[-1]
     metadata = []
     for fragment in dataset.get_fragments():
         meta = fragment.metadata
         if meta.deletion_file is not None:
             raise SpecstoreError(f"tokens table {base.table_uri} has deleted rows; append needs a complete parent")
         for data_file in fragment.data_files():
-            link_or_copy(Path(base.table_uri) / "data" / data_file.path, data_dir / data_file.path)
+            location.copy(f"{parent}/data/{data_file.path}", f"{table}/data/{data_file.path}")
         metadata.append(meta)
     return metadata
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """``dst`` becomes a hard link to ``src`` (a copy across devices): no bytes copied, and gc of
-    the version that owns ``src`` leaves ``dst`` intact. Replaces what a crashed run left at ``dst``."""
-    dst.unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

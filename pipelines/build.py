@@ -46,9 +46,6 @@ def build(
     started = time.monotonic()
     dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
     store = store if isinstance(store, Store) else Store(store, create=True)
-    if store.location.remote:
-        raise SpecstoreError(f"building into an object store ({store.root}) is not supported yet: build into a local "
-                             "directory and copy it there (e.g. aws s3 sync); every other command reads it remotely")
     if tag is not None:
         validate_tag(tag)
     plan = plan_build(

@@ -10,22 +10,22 @@ that would reproduce the newest version, tagging that one instead. Does not own 
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from specstore.pipelines import files
 from specstore.pipelines.append import link_parent_fragments
 from specstore.pipelines.lineage import PIPELINE_VERSION
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.summary import BuildSummary
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
-from specstore.runtime.sharded_suffix import shard_files
-from specstore.runtime.store import Store, checksum_files
+from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_files
+from specstore.runtime.store import Store, checksum_files, location_sha256
 from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
-from specstore.schemas.manifest import Lineage, Manifest, SourceInfo
+from specstore.schemas.manifest import FileInfo, Lineage, Manifest, SourceInfo
 from specstore.schemas.tables import tokens_schema
 
 
@@ -33,31 +33,28 @@ from specstore.schemas.tables import tokens_schema
 class BuildResult:
     manifest: Manifest
     num_rejected: int
-    rejected_path: Path
+    rejected_path: Path | str  # a URI in a remote store
     seconds: float
     unchanged: bool = False  # True: nothing to build; ``manifest`` is the existing newest version
 
 
 def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: float | None = None) -> BuildResult:
     """Commit a build whose pipeline has finished: Lance commit (dense), checksums, manifest, catalogue."""
-    if not plan.summary_path.is_file():
-        raise SpecstoreError(f"build {plan.build_id} did not finish: no summary in {plan.staging_dir}")
-    summary = BuildSummary.read(plan.summary_path)
+    summary = files.read_summary(plan)
+    if summary is None:
+        raise SpecstoreError(f"build {plan.build_id} did not finish: no summary in {files.version_rel(plan, plan.staging_name)}")
     if summary.num_new_documents == 0 or (summary.num_rows == 0 and not plan.sparse):
         read = sum(s.num_records for s in summary.sources.values())
         raise SpecstoreError(
             f"no usable documents: {read} records read, {summary.num_rejected} rejected (reasons in {plan.rejected_path})"
         )
     data_files = [] if plan.sparse else _commit_table(plan, summary)
-    shutil.rmtree(plan.staging_dir, ignore_errors=True)
+    files.remove_staging(plan)
 
-    root = Path(plan.store_root)
-    files_dir = Path(plan.files_dir)
-    table_dir = Path(plan.table_uri)
-    index_files = shard_files(files_dir) or [files_dir / STREAM_FILE, files_dir / SA_FILE]
+    table_name = Store.table_name(plan.name, plan.build_id)
     own_files = (REJECTED_FILE,) if plan.sparse else (NORMALISER_FILE, REJECTED_FILE)
-    version_files = index_files + [files_dir / n for n in own_files] + data_files
-    files = checksum_files(root, [p.relative_to(root).as_posix() for p in version_files])
+    version_files = _index_files(plan) + [files.version_rel(plan, n) for n in own_files] + data_files
+    checksums = _checksums(plan, version_files)
     base_sources = list(plan.base.sources) if plan.base else []
     sources = base_sources + [
         SourceInfo(path=s.path, format=s.format, sha256=h, num_records=summary.sources[s.index].num_records,
@@ -74,7 +71,7 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
         model=plan.model_info, pca_dims=plan.pca_dims, continuation_length=plan.continuation_length,
         num_documents=summary.num_documents, num_tokens=summary.num_tokens,
         num_rejected=summary.num_rejected + (plan.base.num_rejected if plan.base else 0),
-        regenerated=plan.regenerate, sources=sources, index=plan.index, tokens_table="" if plan.sparse else table_dir.stem, files=files,
+        regenerated=plan.regenerate, sources=sources, index=plan.index, tokens_table="" if plan.sparse else table_name, files=checksums,
         settings=plan.recorded_settings(), lineage=lineage,
         parent_version=plan.base.version if plan.base else (newest[-1].version if newest else None),
         domain_centroid=None if summary.domain_centroid is None else list(summary.domain_centroid),
@@ -85,20 +82,40 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
     return BuildResult(committed, summary.num_rejected, plan.rejected_path, time.monotonic() - (started or time.monotonic()))
 
 
-def _commit_table(plan: BuildPlan, summary: BuildSummary) -> list[Path]:
-    """The tokens table's single Lance commit (an append's parent fragments first); its data files."""
+def _index_files(plan: BuildPlan) -> list[str]:
+    """The stream and suffix array files of the version (every shard's, when sharded), relative to the store."""
+    if not plan.remote:
+        folder, root = Path(plan.files_dir), Path(plan.store_root)
+        listed = shard_files(folder) or [folder / STREAM_FILE, folder / SA_FILE]
+        return [p.relative_to(root).as_posix() for p in listed]
+    shards = files.version_rel(plan, SHARDS_DIR)
+    found = sorted(rel for rel, is_file, _, _ in plan.location.walk(shards) if is_file and rel.rsplit("/", 1)[-1] in (STREAM_FILE, SA_FILE))
+    return found or [files.version_rel(plan, STREAM_FILE), files.version_rel(plan, SA_FILE)]
+
+
+def _checksums(plan: BuildPlan, rels: list[str]) -> dict[str, FileInfo]:
+    if not plan.remote:
+        return checksum_files(Path(plan.store_root), rels)
+    location = plan.location
+    return {rel: FileInfo(sha256=location_sha256(location, rel), num_bytes=location.size(rel)) for rel in rels}
+
+
+def _commit_table(plan: BuildPlan, summary: BuildSummary) -> list[str]:
+    """The tokens table's single Lance commit (an append's parent fragments first); its data
+    files, relative to the store."""
     import lance
     from lance.fragment import FragmentMetadata
 
+    options = plan.location.options or None
     fragments = [FragmentMetadata.from_json(f) for f in summary.fragments]
     if plan.base is not None:
-        fragments = link_parent_fragments(plan.base, plan.table_uri) + fragments
+        fragments = link_parent_fragments(plan.base, plan.table_uri, plan.location) + fragments
     schema = tokens_schema(plan.pca_dims, plan.continuation_length)
-    dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments))
+    dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments), storage_options=options)
     if dataset.count_rows() != summary.num_tokens or summary.num_rows != summary.num_tokens:
         raise SpecstoreError(f"internal: {dataset.count_rows()} table rows for {summary.num_tokens} stream tokens")
-    table_dir = Path(plan.table_uri)
-    return sorted(table_dir / "data" / f.path for frag in dataset.get_fragments() for f in frag.data_files())
+    table = f"{Store.table_name(plan.name, plan.build_id)}.lance"
+    return sorted(f"{table}/data/{f.path}" for frag in dataset.get_fragments() for f in frag.data_files())
 
 
 def keep_unchanged(store: Store, plan: BuildPlan, *, tag: str | None = None, started: float | None = None) -> BuildResult:
@@ -106,6 +123,7 @@ def keep_unchanged(store: Store, plan: BuildPlan, *, tag: str | None = None, sta
     newest = plan.unchanged
     if tag is not None:
         store.set_tag(f"{newest.name}@{newest.version}", tag)
-    files = store.files_dir(newest.name, newest.build_id)
+    rejected = store.location.child(f"{Store.files_rel(newest.name, newest.build_id)}/{REJECTED_FILE}")
     seconds = time.monotonic() - (started or time.monotonic())
-    return BuildResult(newest.manifest, newest.manifest.num_rejected, files / REJECTED_FILE, seconds, unchanged=True)
+    return BuildResult(newest.manifest, newest.manifest.num_rejected, rejected if store.location.remote else Path(rejected),
+                       seconds, unchanged=True)

@@ -22,6 +22,7 @@ from specstore.pipelines.corpus import Source, resolve_sources, source_sha256
 from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, refit_paths
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
+from specstore.runtime.storage import Location, is_remote
 from specstore.runtime.store import REJECTED_FILE, Store, VersionRecord, file_sha256, validate_name
 from specstore.schemas.manifest import INDEX_KINDS, ModelInfo
 
@@ -37,9 +38,9 @@ _POSITIVE = ("max_doc_tokens", "max_new_tokens", "pca_dims", "continuation_lengt
 class BuildPlan:
     name: str
     build_id: str
-    store_root: str
+    store_root: str  # a local directory or an object-store URI
     table_uri: str
-    files_dir: str
+    files_dir: str  # the version's files folder: a local path, or a URI in a remote store
     sources: tuple[Source, ...]  # what this build reads (an append: only the sources its parent lacks)
     model_path: str
     source_hashes: tuple[str, ...] = ()  # content hash of each source, in the same order
@@ -64,6 +65,22 @@ class BuildPlan:
     normaliser_from: str | None = None  # recorded: the parent's build_id (append) or the reused file's hash
     sa_shard_tokens: int | None = None  # build the suffix array in shards of at most this many tokens
     unchanged: VersionRecord | None = None  # the newest version, which this build would reproduce: nothing to run
+    storage_options: tuple[tuple[str, str], ...] = ()  # a remote store's options as given (workers add their environment's)
+
+    staging_name = STAGING_DIR
+    summary_name = SUMMARY_FILE
+
+    @property
+    def location(self) -> Location:
+        return Location.of(self.store_root, dict(self.storage_options))
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.store_root)
+
+    @property
+    def files_rel(self) -> str:
+        return Store.files_rel(self.name, self.build_id)
 
     @property
     def staging_dir(self) -> Path:
@@ -74,8 +91,8 @@ class BuildPlan:
         return self.staging_dir / SUMMARY_FILE
 
     @property
-    def rejected_path(self) -> Path:
-        return Path(self.files_dir) / REJECTED_FILE
+    def rejected_path(self) -> Path | str:
+        return self.location.child(f"{self.files_rel}/{REJECTED_FILE}") if self.remote else Path(self.files_dir) / REJECTED_FILE
 
     @property
     def sparse(self) -> bool:
@@ -140,7 +157,8 @@ def plan_build(
         index = append.kept_index(parent.manifest, index)
         settings |= append.kept_settings(parent.manifest, sa_shard_tokens)
         if index == "dense":
-            normaliser, normaliser_from = store.files_dir(name, parent.build_id) / NORMALISER_FILE, parent.build_id
+            normaliser = store.location.child(f"{Store.files_rel(name, parent.build_id)}/{NORMALISER_FILE}")
+            normaliser_from = parent.build_id
     elif mode == "refit" and index is None:
         index = parent.manifest.index
     index = index or "dense"
@@ -157,9 +175,10 @@ def plan_build(
     build_id = Store.new_build_id()
     plan = BuildPlan(
         name=name, build_id=build_id, store_root=str(store.root), table_uri=store.table_uri(Store.table_name(name, build_id)),
-        files_dir=str(store.files_dir(name, build_id)), sources=tuple(sources), model_path=str(resolve_model_path(model)),
+        files_dir=store.location.child(Store.files_rel(name, build_id)), sources=tuple(sources), model_path=str(resolve_model_path(model)),
         mode=mode, index=index, progress=progress, in_process=in_process, normaliser_path=None if normaliser is None else str(normaliser),
-        normaliser_from=normaliser_from, max_docs=max_docs, **settings,
+        normaliser_from=normaliser_from, max_docs=max_docs, storage_options=tuple(sorted(store.location.storage_options.items())),
+        **settings,
     )
     info = _folder_model(model) if plan.sparse else _checked_model(model, plan)
     if not plan.sparse and plan.pca_dims > info.hidden_size:

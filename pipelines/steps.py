@@ -10,11 +10,12 @@ embed.py, normalise.py and writers.py; the graph that wires the steps is in tran
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import apache_beam as beam
 import numpy as np
 
-from specstore.pipelines import workers, writers
+from specstore.pipelines import files, workers, writers
 from specstore.pipelines.embed import StagedBatch, embed_documents, generate_responses, save_staged
 from specstore.pipelines.layout import StreamLayout
 from specstore.pipelines.normalise import NormStats, sample_rows
@@ -96,10 +97,12 @@ class EmbedFn(beam.DoFn):
     def process(self, docs: list[Document], total: int | None = None):
         docs = sorted(docs, key=lambda d: d.doc_id)
         hidden = embed_documents(self.loaded.model, [d.tokens for d in docs])
-        staged = save_staged(
-            self.plan.staging_dir, f"embed-{docs[0].doc_id}-{uuid.uuid4().hex[:8]}",
-            [d.doc_id for d in docs], [d.tokens for d in docs], hidden, self.plan.spill_dtype,
-        )
+        name = f"embed-{docs[0].doc_id}-{uuid.uuid4().hex[:8]}"
+        rel = f"{self.plan.staging_name}/{name}.npz"
+        with files.output(self.plan, rel) as path:  # a remote store: written here, uploaded on leaving
+            staged = save_staged(path.parent, name, [d.doc_id for d in docs], [d.tokens for d in docs], hidden, self.plan.spill_dtype)
+        if self.plan.remote:
+            staged = replace(staged, path=self.plan.location.child(files.version_rel(self.plan, rel)))
         workers.advance("embed", staged.num_tokens, self.plan.progress, total)
         stats = NormStats.of(sample_rows(np.concatenate(hidden), self.plan.fit_rows_per_batch))
         self.stats = stats if self.stats is None else self.stats.merge(stats)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import apache_beam as beam
 from apache_beam.pvalue import AsDict, AsList, AsSingleton, PCollection
 
-from specstore.pipelines import append, steps, writers
+from specstore.pipelines import append, files, steps, writers
 from specstore.pipelines.corpus import read_records
 from specstore.pipelines.embed import padded_width, plan_batches
 from specstore.pipelines.layout import StreamLayout, assign_shards
@@ -187,5 +187,5 @@ def _write_summary(
         written, layout, plan.base, num_rejected=num_rejected, source_indices=[s.index for s in plan.sources],
         read_counts=read_counts, rejected_counts=rejected_counts,
     )
-    summary.write(plan.summary_path)
+    files.write_summary(plan, summary)
     return summary

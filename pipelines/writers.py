@@ -17,9 +17,10 @@ import numpy as np
 
 from specstore.pipelines.append import parent_stream
 from specstore.pipelines.embed import StagedBatch, load_staged
+from specstore.pipelines.files import local_copy, output
 from specstore.pipelines.layout import StreamLayout, stream_layout
 from specstore.pipelines.normalise import NormStats, fit_normaliser
-from specstore.pipelines.plan import BuildPlan
+from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.render import Rejection
 from specstore.pipelines.rows import rows_table
 from specstore.pipelines.summary import WrittenFragment
@@ -34,16 +35,17 @@ def fit_and_save(stats: NormStats | None, plan: BuildPlan) -> Normaliser | None:
     if stats is None or stats.n < 2:
         return None
     normaliser = fit_normaliser(stats, plan.pca_dims)
-    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
-    normaliser.save(Path(plan.files_dir) / NORMALISER_FILE)
+    with output(plan, NORMALISER_FILE) as path:
+        normaliser.save(path)
     return normaliser
 
 
 def reuse_normaliser(_, plan: BuildPlan) -> Normaliser:
     """Copy the normaliser an append (or a fixed-normaliser build) reuses into this build's files."""
-    normaliser = Normaliser.load(Path(plan.normaliser_path))
-    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
-    normaliser.save(Path(plan.files_dir) / NORMALISER_FILE)
+    with local_copy(plan.normaliser_path, dict(plan.storage_options)) as source:
+        normaliser = Normaliser.load(source)
+    with output(plan, NORMALISER_FILE) as path:
+        normaliser.save(path)
     return normaliser
 
 
@@ -54,10 +56,11 @@ def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> StreamL
     layout = stream_layout([(doc, len(tokens)) for doc, tokens in docs], plan.base)
     stream, _ = join_documents([tokens for _, tokens in docs])
     if plan.base is not None:
-        stream = np.concatenate([parent_stream(plan.base), stream])
+        stream = np.concatenate([parent_stream(plan.base, None, dict(plan.storage_options)), stream])
     if len(stream) != layout.num_entries:
         raise RuntimeError(f"internal: a stream of {len(stream)} entries, the layout says {layout.num_entries}")
-    save_suffix_index(Path(plan.files_dir), stream, build_suffix_array(stream))
+    with output(plan, "", folder=True) as folder:
+        save_suffix_index(folder, stream, build_suffix_array(stream))
     return layout
 
 
@@ -69,11 +72,12 @@ def write_shard(keyed: tuple[int, list[tuple[int, np.ndarray]]], plan: BuildPlan
     stream, _ = join_documents([tokens for _, tokens in docs])
     expected = layout.shards[index]
     if expected.base_length:
-        stream = np.concatenate([parent_stream(plan.base, index), stream])
+        stream = np.concatenate([parent_stream(plan.base, index, dict(plan.storage_options)), stream])
     first = expected.offset + expected.base_length
     if len(stream) != expected.length or layout.starts[docs[0][0]] != first:
         raise RuntimeError(f"internal: shard {index} has {len(stream)} entries, layout says {expected}")
-    save_suffix_index(shard_dir(Path(plan.files_dir), index), stream, build_suffix_array(stream))
+    with output(plan, shard_dir(Path(), index).as_posix(), folder=True) as folder:
+        save_suffix_index(folder, stream, build_suffix_array(stream))
     return index
 
 
@@ -81,12 +85,14 @@ def write_fragment(staged: StagedBatch, normaliser: Normaliser, layout: StreamLa
     """Rows of one staging file -> Lance fragments of the tokens table (not yet committed)."""
     from lance.fragment import write_fragments
 
-    doc_ids, docs, hidden = load_staged(staged.path)
+    with local_copy(staged.path, dict(plan.storage_options)) as path:
+        doc_ids, docs, hidden = load_staged(str(path))
     embeddings = normaliser.apply(hidden)
     del hidden
     starts = [layout.starts[d] for d in doc_ids]
     table = rows_table(doc_ids, docs, starts, embeddings, plan.continuation_length)
-    fragments = write_fragments(table, plan.table_uri, schema=tokens_schema(plan.pca_dims, plan.continuation_length))
+    fragments = write_fragments(table, plan.table_uri, schema=tokens_schema(plan.pca_dims, plan.continuation_length),
+                                storage_options=plan.location.options or None)
     return WrittenFragment(
         first_offset=int(min(starts)), fragments=tuple(json.dumps(f.to_json()) for f in fragments), num_rows=table.num_rows,
         embedding_sum=tuple(embeddings.astype(np.float64).sum(axis=0).tolist()),
@@ -95,9 +101,8 @@ def write_fragment(staged: StagedBatch, normaliser: Normaliser, layout: StreamLa
 
 def write_rejected(rejections: list[Rejection], plan: BuildPlan) -> int:
     """All rejected records, in source and record order, one JSON object per line."""
-    Path(plan.files_dir).mkdir(parents=True, exist_ok=True)
     rejections = sorted(rejections, key=lambda r: (r.source_index, r.record_index))
-    with open(plan.rejected_path, "w", encoding="utf-8") as out:
+    with output(plan, REJECTED_FILE) as path, open(path, "w", encoding="utf-8") as out:
         for r in rejections:
             out.write(json.dumps(r.to_json(plan.source_path(r.source_index)), ensure_ascii=False) + "\n")
     return len(rejections)

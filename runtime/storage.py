@@ -211,6 +211,7 @@ class Location:
         if not self.remote:
             target = Path(self._path(dst_rel))
             target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)  # what a crashed run left there
             try:
                 os.link(self._path(src_rel), target)
             except OSError:
