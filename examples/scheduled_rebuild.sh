@@ -10,12 +10,13 @@
 # read again whole by --append.
 #
 # usage: scheduled_rebuild.sh STORE NAME CORPUS_DIR [extra build options...]
+#        (STORE: a directory or an s3://, gs://, az:// URI; storage options from the environment)
 # environment: TAG (default prod), KEEP (default 3), PATTERN (default *.jsonl),
 #              SPECSTORE (default: specstore on PATH)
 set -euo pipefail
 
 if [ $# -lt 3 ]; then
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 store=$1 name=$2 corpus_dir=$3
@@ -31,7 +32,10 @@ fi
 IFS=$'\n' files=($(printf '%s\n' "${files[@]}" | LC_ALL=C sort))  # a stable source order
 unset IFS
 
-mkdir -p "$store"
+case "$store" in
+    *://*) ;;  # an object store: nothing to create
+    *) mkdir -p "$store" ;;
+esac
 if [ "$("$specstore" versions --store "$store" --name "$name" --json)" = "[]" ]; then
     mode=()  # the first version: a full build
 else
