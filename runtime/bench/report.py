@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from specstore.runtime.errors import SpecstoreError
@@ -107,10 +108,72 @@ def plot(result: BenchResult, out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
+def _size_sweep(path: str | Path) -> dict | None:
+    """A MAT-against-size file (benchmarks/mat_vs_size.py), None for anything else."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("kind") == "mat_vs_size" else None
+
+
+def size_table(data: dict, title: str) -> str:
+    lines = [f"### {title}", "",
+             f"{data['num_prompts']} held-out prompts ({data['questions']}), {data['max_new_tokens']} new tokens, "
+             "replayed greedy references; 95% bootstrap interval over prompts", "",
+             "| datastore | index | tokens | method | MAT | 95% interval |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['datastore']} | {r['index']} | {r['tokens']:,} | {r['method']} | {r['mat']:.3f} | "
+                     f"{r['mat_low']:.3f}-{r['mat_high']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def size_plot(data: dict, out_dir: Path, stem: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (method, index), rows in sorted(_group(data["rows"]).items()):
+        rows = sorted(rows, key=lambda r: r["tokens"])
+        x = [r["tokens"] for r in rows]
+        y = [r["mat"] for r in rows]
+        err = [[r["mat"] - r["mat_low"] for r in rows], [r["mat_high"] - r["mat"] for r in rows]]
+        ax.errorbar(x, y, yerr=err, marker="o" if index == "sparse" else "s", capsize=3, label=f"{method} ({index})")
+    ax.set_xscale("log")
+    ax.set_xlabel("datastore tokens")
+    ax.set_ylabel("MAT (tokens per target forward)")
+    ax.set_title("MAT against datastore size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"{stem}_mat_vs_size.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _group(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["index"]), []).append(r)
+    return groups
+
+
 def report(paths: list[str], out_dir: str | Path | None = None) -> str:
-    """Markdown for every result (and PNG plots into ``out_dir`` when given)."""
+    """Markdown for every result (and PNG plots into ``out_dir`` when given); a MAT-against-size
+    file of benchmarks/mat_vs_size.py gets its table and plot."""
     parts = []
     for p in paths:
+        sweep = _size_sweep(p)
+        if sweep is not None:
+            parts.append(size_table(sweep, Path(p).stem))
+            if out_dir is not None:
+                png = size_plot(sweep, Path(out_dir), Path(p).stem)
+                parts.append(f"![{png.stem}]({png.name})\n")
+            continue
         result = load_result(p)
         stem = Path(p).stem
         parts.append(markdown_table(result, stem))
