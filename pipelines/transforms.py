@@ -25,7 +25,6 @@ from specstore.pipelines.layout import StreamLayout, assign_shards
 from specstore.pipelines.plan import BuildPlan
 from specstore.pipelines.summary import BuildSummary, WrittenFragment, summarise
 
-
 PREPARE_BATCH = 64  # records rendered and tokenised together (one batched call of the fast tokenizer)
 
 

@@ -21,7 +21,6 @@ import torch
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import hidden_states
 
-
 LEXICAL_NGRAM = 4  # token n-grams a lexical route looks up
 
 
