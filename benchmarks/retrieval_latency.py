@@ -7,6 +7,13 @@ rows, and compares exact full search, exact next-token-block search (ours), and 
 (unfiltered ANN then the filter, as an ANN index must) with recall against exact filtered search.
 
     python benchmarks/retrieval_latency.py [--tokens 2000000]
+
+With ``--store DIR --ref NAME@VERSION`` it measures a built version instead (e.g. the sparse
+80M-token code datastore of docs/SCALING.md): the time ``Datastore.open`` takes, this process'
+resident memory before and after the open and after the first propose (anonymous memory, i.e.
+beyond the page cache of the mapped files, and file-backed pages separately, from
+/proc/self/status), and REST propose latency on contexts from ``--held-out`` files (default:
+this project's own sources, which no installed-package corpus holds).
 """
 
 from __future__ import annotations
@@ -47,20 +54,23 @@ def ms(samples: list[float]) -> str:
     return f"mean {a.mean():.3f} ms, p50 {np.median(a):.3f}, p99 {np.percentile(a, 99):.3f}"
 
 
-def bench_rest(index: SuffixIndex, held_out: list[list[int]], steps: int = 500) -> None:
+def bench_rest(index, held_out: list[list[int]], steps: int = 500) -> None:
     drafter = RestDrafter(index)
     rng = np.random.default_rng(0)
-    times, sizes, hits = [], [], 0
+    times, cpu, sizes, hits = [], [], [], 0
     for _ in range(steps):
         doc = held_out[rng.integers(len(held_out))]
         cut = int(rng.integers(20, max(21, len(doc) - 1)))
         state = DecodeState(tokens=doc[:cut], num_prompt=cut, budget=64)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         tree = drafter.propose(state)
         times.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
         sizes.append(len(tree))
         hits += len(tree) > 0
     print(f"rest over {len(index):,} tokens: {ms(times)}; tree nodes mean {np.mean(sizes):.1f}; drafted on {hits}/{steps} steps")
+    # CPU time of this thread (page faults included): what wall time would be with the cores to itself
+    print(f"  the same steps in CPU time (excludes waiting for a core on a shared machine): {ms(cpu)}")
 
 
 def bench_dense(next_tokens: np.ndarray, num_rows: int, dims: int = 64, k: int = 10, queries: int = 300) -> None:
@@ -121,9 +131,56 @@ def bench_dense(next_tokens: np.ndarray, num_rows: int, dims: int = 64, k: int =
               f"recall@{k} unfiltered {np.mean(recall_full):.3f}, filtered {np.mean(recall_filtered):.3f}")
 
 
+def memory_kib() -> dict[str, int]:
+    """This process' resident memory (KiB): anonymous (heap, arrays) and file-backed (mapped files)."""
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1])
+    return out
+
+
+def bench_version(store: str, ref: str, held_out_dirs: list[str], tokenizer, steps: int) -> None:
+    """Open time, resident memory per token and REST propose latency of one built version."""
+    from specstore.runtime.datastore import Datastore
+
+    files = [f for d in held_out_dirs for f in sorted(Path(d).rglob("*.py"))]
+    held_out = [ids for ids in (tokenizer(f.read_text(errors="ignore"), add_special_tokens=False)["input_ids"] for f in files)
+                if len(ids) > 40]
+    before = memory_kib()
+    t = time.perf_counter()
+    ds = Datastore.open(store, ref, dense=False)
+    open_s = time.perf_counter() - t
+    opened = memory_kib()
+    n = ds.manifest.num_tokens
+    print(f"{ds.ref}: {ds.manifest.index}, {n:,} tokens; open {open_s * 1e3:.1f} ms")
+
+    def per_token(now: dict, label: str) -> None:
+        anon = (now["RssAnon"] - before["RssAnon"]) * 1024 / n
+        file = (now["RssFile"] - before["RssFile"]) * 1024 / n
+        print(f"  resident after {label}: anonymous +{anon:.2f} B/token (beyond the page cache), "
+              f"file-backed +{file:.2f} B/token (mapped pages)")
+
+    per_token(opened, "open")
+    drafter = RestDrafter(ds.suffix)
+    t = time.perf_counter()
+    drafter.propose(DecodeState(tokens=held_out[0][:32], num_prompt=32, budget=64))
+    print(f"  first propose (gathers the per-rank first/second tokens): {time.perf_counter() - t:.2f} s")
+    per_token(memory_kib(), "first propose")
+    bench_rest(ds.suffix, held_out, steps)
+    per_token(memory_kib(), f"{steps} proposes")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=2_000_000)
+    parser.add_argument("--store", default=None, metavar="DIR", help="measure a built version (with --ref) instead")
+    parser.add_argument("--ref", default=None, metavar="NAME@VERSION")
+    parser.add_argument("--held-out", nargs="+", default=[str(Path(__file__).resolve().parents[1] / d) for d in ("runtime", "pipelines")],
+                        metavar="DIR", help="with --store: .py files whose contexts REST is asked about")
+    parser.add_argument("--steps", type=int, default=2000, help="with --store: proposes timed")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
@@ -131,6 +188,11 @@ def main() -> None:
     from specstore.runtime.models import provision_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(provision_default_model(quiet=True)))
+    if args.store is not None:
+        if args.ref is None:
+            parser.error("--store needs --ref NAME@VERSION")
+        bench_version(args.store, args.ref, args.held_out, tokenizer, args.steps)
+        return
     docs, held_out = code_docs(tokenizer, args.tokens)
     stream, _ = join_documents(docs)
     t = time.perf_counter()

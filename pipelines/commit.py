@@ -1,8 +1,9 @@
 """The commit sequence of a build whose pipeline has finished, and the result of every build.
 
 Owns turning the staging summary (summary.py) into one visible version: the tokens table's
-single Lance commit (none for a sparse version, whose files are its stream and suffix array) (for an append, the parent's fragments, hard-linked into the new table by
-append.py, come first), removal of the staging files, checksums, the manifest with its lineage,
+single Lance commit (for an append, the parent's fragments, hard-linked into the new table by
+append.py, come first; none for a sparse version, whose files are its stream and suffix array),
+removal of the staging files, checksums, the manifest with its lineage and index kind,
 ``Store.commit`` (the only step that makes the version visible) and the tag; and, for a build
 that would reproduce the newest version, tagging that one instead. Does not own the pipeline
 (transforms.py) or deciding what to build (plan.py).

@@ -159,15 +159,14 @@ def plan_build(
         if index == "dense":
             normaliser = store.location.child(f"{Store.files_rel(name, parent.build_id)}/{NORMALISER_FILE}")
             normaliser_from = parent.build_id
-    elif mode == "refit" and index is None:
-        index = parent.manifest.index
+    elif mode == "refit":
+        index = index or parent.manifest.index
+        corpus = refit_paths(parent.manifest, list(corpus))
     index = index or "dense"
     if index == "sparse" and settings.get("regenerate"):
         raise SpecstoreError("--regenerate needs the model to write responses: build it with --index dense")
     if index == "sparse" and normaliser is not None:
         raise SpecstoreError("a sparse build fits no normaliser, so it reuses none: drop --normaliser or build --index dense")
-    elif mode == "refit":
-        corpus = refit_paths(parent.manifest, list(corpus))
     if normaliser is not None and normaliser_from is None:
         normaliser_from = file_sha256(Path(normaliser))
     sources = resolve_sources([str(c) for c in corpus], fmt)

@@ -43,7 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="build a new version of a datastore from corpora (Apache Beam pipeline)",
         description="Read corpora, tokenise (and optionally regenerate responses with the model), embed every "
         "token with the model's last hidden layer, fit the normaliser (z-score, PCA, L2), and commit the tokens "
-        "table, suffix array, normaliser and manifest as one new version. Options specstore does not define are "
+        "table, suffix array, normaliser and manifest as one new version; with --index sparse, only tokenise and commit the "
+        "token stream, suffix array and manifest (no model forward). Options specstore does not define are "
         "passed to Beam if the installed Beam's pipeline options define them (e.g. --direct_running_mode=multi_processing "
         "--direct_num_workers=2, or --job_endpoint HOST:PORT for the PortableRunner); any other option is an error "
         "before the build starts. Options are never abbreviated here, so that none is mistaken for a Beam option.",

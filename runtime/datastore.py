@@ -7,8 +7,8 @@ manifest's counts; full checksums only on request, as ``specstore verify`` does)
 version built for another model or tokenizer (the error names the field), and holding what the
 drafters read: the normaliser, the memory-mapped suffix array, the rows' continuations and the
 dense index. A sparse version (``manifest.index == "sparse"``) has only the suffix index: no
-normaliser, no tokens table; asking it for its dense index is a SpecstoreError. Does not own the store catalogue (store.py), building versions (pipelines/) or
-drafting.
+normaliser, no tokens table; asking it for its dense index is a SpecstoreError. Does not own the
+store catalogue (store.py), building versions (pipelines/) or drafting.
 """
 
 from __future__ import annotations

@@ -271,3 +271,14 @@ def test_default_model_sparse_datastore_lossless_methods_equal_ar_float32(tmp_pa
             assert result.token_ids == ar.token_ids, (method, prompt)
             mats[method] = mats.get(method, 0.0) + result.stats.mat / len(prompts)
     assert mats["rest"] > 1.0, mats
+
+
+def test_refit_keeps_the_parents_index_kind_unless_told(tiny_model_dir, tmp_path):
+    store = Store(tmp_path / "s", create=True)
+    build(store, "r", OLD, model=tiny_model_dir, index="sparse", **BUILD_OPTIONS)
+    kept = build(store, "r", NEW, model=tiny_model_dir, mode="refit", **BUILD_OPTIONS).manifest
+    assert kept.index == "sparse" and kept.lineage.mode == "refit" and len(kept.sources) == len(OLD + NEW)
+    dense = build(store, "r", [], model=tiny_model_dir, mode="refit", index="dense", **BUILD_OPTIONS).manifest
+    assert dense.index == "dense" and dense.num_tokens == kept.num_tokens and dense.tokens_table
+    loaded = load_model(tiny_model_dir, dtype="float32", device="cpu")
+    assert Datastore.open(store, "r", loaded.info).dense is not None
