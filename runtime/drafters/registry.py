@@ -4,8 +4,9 @@ CLI, the API, the bench and the simulator.
 A method is a ``Method``: its factory ``create(datastore=None, **options) -> Drafter`` in the
 drafter's own module, named as ``"module:function"`` and imported only when asked for (a
 datastore-backed drafter may pull in LanceDB); what it reads (a datastore's suffix array, its
-dense index, the target's hidden state or logits); and optionally a light module (no torch)
-with its ``generate`` command-line options. To add a method, add one entry to ``METHODS`` (or
+dense index, the target's hidden state or logits, the engine's served overlay); and optionally
+a light module (no torch) with its ``generate`` command-line options. A method that reads the
+overlay takes it as the factory's ``overlay`` keyword (only an engine with one passes it). To add a method, add one entry to ``METHODS`` (or
 call ``register``). A factory that needs a datastore raises SpecstoreError when given none.
 
 A CLI module defines ``add_cli_options(parser)`` (an argument group), ``given(args) -> list of
@@ -35,6 +36,7 @@ class Method:
     dense: bool = False  # reads its dense index (opening then loads the tokens table)
     states: bool = False  # reads the target's hidden state or logits (the simulator computes them)
     cli: str | None = None  # module with the method's own `generate` options
+    overlay: bool = False  # searches the engine's served overlay (factory keyword ``overlay``)
 
     @property
     def datastore(self) -> bool:
@@ -44,19 +46,19 @@ class Method:
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
     "ar": Method(_D + "ar:create"),
-    "pld": Method(_D + "pld:create"),
-    "rest": Method(_D + "rest:create", suffix=True),
+    "pld": Method(_D + "pld:create", overlay=True),
+    "rest": Method(_D + "rest:create", suffix=True, overlay=True),
     "dresd": Method(_D + "dresd:create", dense=True, states=True),
-    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli"),
+    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", overlay=True),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
 
 
 def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
-             states: bool = False, cli: str | None = None) -> None:
+             states: bool = False, cli: str | None = None, overlay: bool = False) -> None:
     """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
-    METHODS[method] = Method(factory, suffix, dense, states, cli)
+    METHODS[method] = Method(factory, suffix, dense, states, cli, overlay)
 
 
 def available() -> list[str]:
