@@ -110,14 +110,15 @@ def serve_streams(runs: dict[str, tuple], prompts: list[str], max_new_tokens: in
         for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
             engine, drafter = runs[label]
             rows[label].append(serve_one(engine, prompt, max_new_tokens, drafter))
-        if (i + 1) % 10 == 0:
+        if (i + 1) % 5 == 0:
             line = ", ".join(f"{k} {summarise(v[len(v) // 2 :])['mat']:.3f}" for k, v in rows.items())
             print(f"  {i + 1}/{len(prompts)}: MAT over the last half so far: {line}", flush=True)
     return rows
 
 
-def record(out: dict, rows: dict[str, list[dict]]) -> None:
-    """Summaries of each run into ``out["runs"]``, and whether its outputs equal the first run's."""
+def record(out: dict, rows: dict[str, list[dict]], path: str | None) -> None:
+    """Summaries of each run into ``out["runs"]`` (and ``path``, so far), and whether its outputs
+    equal the first run's."""
     for label, requests in rows.items():
         ids = [r.pop("token_ids") for r in requests]
         out.setdefault("reference", ids)
@@ -126,6 +127,8 @@ def record(out: dict, rows: dict[str, list[dict]]) -> None:
                               "same_output_as_first_run": same, "requests": requests}
         print(label, json.dumps(out["runs"][label]["last_half"]), f"same output as the first run: {same}/{len(ids)}",
               flush=True)
+    if path:
+        Path(path).write_text(json.dumps({k: v for k, v in out.items() if k != "reference"}, indent=1))
 
 
 def main() -> None:
@@ -143,6 +146,7 @@ def main() -> None:
     p.add_argument("--overlay-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--overlay-prompts", action="store_true")
     p.add_argument("--no-suffixdecoding", action="store_true", help="skip the SuffixDecoding anchor even when installed")
+    p.add_argument("--costs-only", action="store_true", help="measure the overlay's add and search costs, then stop")
     p.add_argument("--json", default=None, metavar="PATH", help="write every number here")
     args = p.parse_args()
 
@@ -153,6 +157,8 @@ def main() -> None:
     out = {"args": vars(args), "overlay_costs": overlay_costs(loaded.tokenizer, args.prompts, args.overlay_tokens, args.skip),
            "runs": {}}
     print("overlay costs:", json.dumps(out["overlay_costs"]), flush=True)
+    if args.costs_only:
+        return
     store = Store(args.store)
     for method in args.methods.split(","):
         runs = {}
@@ -160,7 +166,7 @@ def main() -> None:
             ov = ServedOverlay(args.overlay_tokens, prompts=args.overlay_prompts) if overlay == "on" else None
             runs[f"{method} overlay {overlay}"] = (Engine(loaded, store, args.datastore, method=method, overlay=ov,
                                                           refresh_seconds=None), None)
-        record(out, serve_streams(runs, prompts, args.max_new_tokens))
+        record(out, serve_streams(runs, prompts, args.max_new_tokens), args.json)
     if not args.no_suffixdecoding:
         try:
             from specstore.runtime.datastore import Datastore
@@ -171,15 +177,13 @@ def main() -> None:
             print(f"suffixdecoding: not run ({exc})", flush=True)
         else:
             engine = Engine(loaded, store, args.datastore, method="ar", refresh_seconds=None)
-            record(out, serve_streams({"suffixdecoding (learning)": (engine, drafter)}, prompts, args.max_new_tokens))
+            record(out, serve_streams({"suffixdecoding (learning)": (engine, drafter)}, prompts, args.max_new_tokens),
+                   args.json)
     print("\n| run | MAT, last half | tokens/s, last half | MAT, all | tokens/s, all | overlay tokens accepted (last half) |")
     print("|---|---|---|---|---|---|")
     for label, run in out["runs"].items():
         h, a = run["last_half"], run["all"]
         print(f"| {label} | {h['mat']:.3f} | {h['tokens_per_s']:.1f} | {a['mat']:.3f} | {a['tokens_per_s']:.1f} | {h['overlay_accepted']} |")
-    if args.json:
-        out.pop("reference", None)
-        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
