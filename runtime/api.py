@@ -2,8 +2,8 @@
 transformers users (``model.generate(..., custom_generate=custom_generate)``).
 
 Owns prompt preparation (a string is one user message through the chat template, when the
-tokenizer has one), EOS ids, seeding, and incremental detokenisation for streaming. The loop
-itself is decode.py.
+tokenizer has one), EOS ids, seeding, and incremental detokenisation for streaming. ``generate``
+is an engine (engine.py) over the given model serving one request; the loop itself is decode.py.
 """
 
 from __future__ import annotations
@@ -103,21 +103,12 @@ def generate(
     ``temperature`` 0 is greedy; otherwise sampling (with ``top_p``) is lossless: the output
     distribution is that of plain sampling. ``stream`` receives newly committed text.
     """
-    ids = prompt_ids(tokenizer, prompt_or_messages)
-    streamer = TextStream(tokenizer, stream) if stream is not None else None
-    out = decode(
-        model,
-        ids,
-        _drafter(drafter),
-        max_new_tokens,
-        Sampling.seeded(temperature, top_p, seed),
-        eos_ids(model, tokenizer),
-        on_commit=streamer,
-    )
-    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    if streamer is not None:
-        streamer.flush(text)
-    return GenerateResult(text, out.token_ids, out.stats, out.stop_reason, ids)
+    from specstore.runtime.engine import Engine  # engine.py builds on this module's helpers
+
+    served = Engine.for_model(model, tokenizer).generate(
+        prompt_or_messages, drafter=_drafter(drafter), max_new_tokens=max_new_tokens, temperature=temperature,
+        top_p=top_p, seed=seed, stream=stream)
+    return GenerateResult(served.text, served.token_ids, served.stats, served.stop_reason, served.prompt_ids)
 
 
 def custom_generate(

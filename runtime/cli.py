@@ -195,6 +195,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, metavar="PATH", help="append each served request to this JSONL file (for build --append)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait besides the one being served; more get 503 (default 16)")
     p.add_argument("--refresh-seconds", type=float, default=5.0, metavar="S", help="check tags for new versions at most this often (default 5)")
+    p.add_argument("--overlay", default="off", choices=["on", "off"],
+                   help="learn while serving: keep what was served in memory and draft from it too (pld, rest, respec; default off)")
+    p.add_argument("--overlay-tokens", type=int, default=65536, metavar="N",
+                   help="tokens the overlay holds; the oldest requests are evicted beyond it (default 65536)")
+    p.add_argument("--overlay-prompts", action="store_true", help="the overlay keeps prompts too, not only responses")
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="for requests that do not say (max_tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="for requests that do not say; 0 = greedy (default)")

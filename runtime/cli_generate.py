@@ -1,11 +1,11 @@
 """``specstore generate``: decode one prompt with one drafting method, streaming accepted text.
 
 Owns the command's flow: check the arguments and resolve the datastore references first (an
-unknown name, version or tag fails before the model loads), load the model, open the datastore
-version against that model (mismatches and checksum failures raise SpecstoreError, which cli.py
-prints as one line), route among several datastores, build the drafter through the registry
-(which also turns a method's own flags into its options) and call ``api.generate``. Does not own
-decoding, drafting or any one method's options.
+unknown name, version or tag fails before the model loads), load the model, open an Engine over
+it and the references (mismatches and checksum failures raise SpecstoreError, which cli.py
+prints as one line; a method's own flags become its drafter options through the registry), say
+where routing among several datastores sent the prompt, and serve the one request. Does not own
+decoding, drafting, routing or any one method's options.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from specstore.runtime.errors import SpecstoreError
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specstore.runtime.api import generate
     from specstore.runtime.drafters import registry
+    from specstore.runtime.engine import Engine
     from specstore.runtime.models import load_model
 
     method = registry.method_info(args.method)
@@ -33,22 +33,27 @@ def run_generate(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()  # the terminal shows the answer, not weight-loading bars
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    datastore, route = _open(args, store, refs, loaded, dense=method.dense) if refs else (None, None)
     options = registry.options_from_args(args.method, args, loaded)
-    drafter = registry.make_drafter(args.method, datastore, **options)
+    engine = Engine(loaded, store, refs, method=args.method, drafter_options={args.method: options}, dense=method.dense,
+                    refresh_seconds=None)
+    reference, scores = engine.route(args.prompt) if refs else (None, None)
+    if scores is not None and not args.json:
+        chosen = engine.datastores[reference]
+        print(f"[route] {chosen} ({', '.join(f'{r} {v:.3f}' for r, v in scores.items())})", file=sys.stderr)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = generate(loaded.model, loaded.tokenizer, args.prompt, drafter=drafter, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=None if args.json else stream)
-    lossless = bool(getattr(drafter, "lossless", True))
+    result = engine.generate(args.prompt, datastore=reference, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                             stream=None if args.json else stream)
+    drafter, lossless = result.drafter, result.lossless
     if args.json:
         own = {args.method: drafter.stats()} if callable(getattr(drafter, "stats", None)) else {}
-        print(json.dumps({"method": args.method, **own, "datastore": datastore.ref if datastore is not None else None,
-                          "routing": route.scores if route is not None else None, "lossless": lossless,
-                          **result.to_dict()}))
+        answer = {k: v for k, v in result.to_dict().items() if k in ("text", "token_ids", "stats", "stop_reason")}
+        print(json.dumps({"method": args.method, **own, "datastore": result.datastore, "routing": scores,
+                          "lossless": lossless, **answer}))
         return 0
     stats = result.stats
     print()
@@ -78,22 +83,3 @@ def _resolve(args: argparse.Namespace):
         record = store.resolve(ref)
         registry.check_index([args.method], record.manifest, f"{record.name}@{record.version}")
     return store, refs
-
-
-def _open(args: argparse.Namespace, store, refs: list[str], loaded, *, dense: bool):
-    """``(datastore, route)``: the one datastore named, or the one the router picks for the
-    prompt among several (route None when there was no choice)."""
-    from specstore.runtime.datastore import Datastore
-
-    device = next(loaded.model.parameters()).device
-    opened = [Datastore.open(store, ref, loaded.info, dense=dense, device=device) for ref in refs]
-    if len(opened) == 1:
-        return opened[0], None
-    from specstore.runtime.api import prompt_ids
-    from specstore.runtime.router import Router
-
-    route = Router(opened).route(loaded.model, prompt_ids(loaded.tokenizer, args.prompt), prompt_ids(loaded.tokenizer, ""))
-    datastore = opened[route.index]
-    if not args.json:
-        print(f"[route] {datastore.ref} ({', '.join(f'{r} {v:.3f}' for r, v in route.scores.items())})", file=sys.stderr)
-    return datastore, route

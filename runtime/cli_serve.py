@@ -2,7 +2,8 @@
 
 Owns the command's flow: check the options and resolve the datastore references first (an unknown
 name, version or tag fails before the model loads), load the model, open the engine (drafter
-options from the ReSpec flags, the served-request log), build the app and run uvicorn. Does not
+options from the ReSpec flags, the served-request log, the served overlay), build the app and run
+uvicorn. Does not
 own the HTTP layer (serve.py) or serving (engine.py).
 """
 
@@ -26,6 +27,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecstoreError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
     if args.refresh_seconds <= 0:
         raise SpecstoreError(f"--refresh-seconds must be > 0, got {args.refresh_seconds}")
+    if args.overlay_tokens < 1:
+        raise SpecstoreError(f"--overlay-tokens must be >= 1, got {args.overlay_tokens}")
+    if args.overlay == "off" and (args.overlay_prompts or args.overlay_tokens != 65536):
+        raise SpecstoreError("--overlay-tokens and --overlay-prompts need --overlay on")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -37,6 +42,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specstore.runtime.drafters import registry
     from specstore.runtime.engine import Engine, split_references
     from specstore.runtime.models import load_model
+    from specstore.runtime.overlay import ServedOverlay
     from specstore.runtime.serve import Defaults, create_app, model_name, uvicorn_server
     from specstore.runtime.store import Store
 
@@ -54,13 +60,16 @@ def run_serve(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     # each method's own flags (ReSpec's thresholds, its draft model) apply whenever a request uses it
     options = {m: registry.options_from_args(m, args, loaded) for m in registry.available()}
+    overlay = ServedOverlay(args.overlay_tokens, prompts=args.overlay_prompts) if args.overlay == "on" else None
     engine = Engine(loaded, store, refs, method=args.method, drafter_options=options,
-                    refresh_seconds=args.refresh_seconds, log=args.log)
+                    refresh_seconds=args.refresh_seconds, log=args.log, overlay=overlay)
     defaults = Defaults(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     app = create_app(engine, max_queue=args.max_queue, defaults=defaults, idle_refresh_seconds=args.refresh_seconds)
     served = ", ".join(f"{k} ({v})" for k, v in engine.datastores.items()) or "no datastore"
     print(f"specstore serve: {model_name(engine)}, method {args.method}, {served}; http://{args.host}:{args.port}/v1"
-          + (f"; logging served requests to {args.log}" if args.log else ""), file=sys.stderr)
+          + (f"; logging served requests to {args.log}" if args.log else "")
+          + (f"; overlay on ({args.overlay_tokens} tokens{', prompts too' if args.overlay_prompts else ''})"
+             if overlay is not None else ""), file=sys.stderr)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn_server(app, args.host, args.port, log_level="info").run()

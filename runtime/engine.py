@@ -4,17 +4,23 @@ Owns serving requests in one process: opening the model and the datastore versio
 request at a time from any number of threads, following tags (a reference ``NAME@TAG`` or a bare
 ``NAME`` is re-resolved at most every ``refresh_seconds`` and on ``refresh()``; a new version is
 opened beside the old one and swapped in between requests), naming in every result the
-``NAME@VERSION`` that served it, cancellation at the next commit, and handing each served request
-to the log. Does not own decoding (api.py, decode.py), drafting (drafters/), the HTTP layer
-(serve.py) or the log's format (served_log.py).
+``NAME@VERSION`` that served it, cancellation at the next commit, handing each served request
+to the log, and the served overlay (issue 15, point 3). Runs every decode of the package: the
+one-shot ``api.generate`` and ``specstore generate`` are an engine serving one request. Does not
+own decoding's loop (decode.py), prompts and streamed text (api.py), drafting (drafters/), the
+overlay's store and search (overlay.py), the HTTP layer (serve.py) or the log's format
+(served_log.py).
 
 Versions: a request takes a snapshot of the open versions when it starts and decodes with it to
 the end, so a switch never happens inside a request. ``gc`` of a version still in use is safe:
 its suffix array and stream stay mapped after the files go (Linux keeps an unlinked mapped file)
 and dense rows are read into memory on open (retention.py).
 
-Where the overlay of issue 15 (point 3) plugs in: it is one per-engine object, fed in
-``_served`` with each finished request and handed to the drafters in ``_drafter``.
+The overlay (``overlay=True`` or a ServedOverlay; off by default): one per engine, fed in
+``_served`` with each finished request (its response; its prompt too when the overlay keeps
+prompts), under the engine's lock, so a request drafts from an overlay that does not change while
+it runs; handed in ``_drafter`` to the methods the registry marks as reading it (pld, rest,
+respec). A cancelled request is not added.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from numbers import Integral
 
 from specstore.runtime import api
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.decode import DecodeStats
+from specstore.runtime.decode import DecodeStats, decode
 from specstore.runtime.drafters import registry
+from specstore.runtime.drafters.base import Drafter
 from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.overlay import ServedOverlay
+from specstore.runtime.sampling import Sampling
 from specstore.runtime.served_log import ServedLog, now_iso, served_record
 from specstore.runtime.store import Ref, Store
 
@@ -59,12 +68,13 @@ class ServedResult:
     lossless: bool
     routing: dict[str, float] | None = None  # several datastores: each one's score for this prompt
     drafter: object = field(default=None, repr=False)  # the request's drafter, for its own counters (ReSpec's)
+    overlay: dict | None = None  # with the overlay on: overlay nodes drafted and accepted (OverlayUse)
 
     def to_dict(self) -> dict:
         return {
             "text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(), "stop_reason": self.stop_reason,
             "method": self.method, "datastore": self.datastore, "reference": self.reference, "lossless": self.lossless,
-            "routing": self.routing,
+            "routing": self.routing, "overlay": self.overlay,
         }
 
 
@@ -90,13 +100,15 @@ class Engine:
     start of a request (None: only on ``refresh()``). ``log``: a path or ServedLog to append
     each served request to (off when None). ``verify``: hash every file of a version when it is
     opened (off: opening checks sizes and headers only; ``specstore verify`` hashes).
+    ``overlay``: learn from what is served (module docstring): True for a ServedOverlay with its
+    defaults, or one to use; None or False: off.
     """
 
     def __init__(self, loaded, store: Store | str | None = None, datastores: str | Sequence[str] | None = (), *,
                  method: str = "rest", drafter_options: Mapping[str, Mapping] | None = None, dense: bool | None = None,
                  verify: bool = False, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, loaded.info
+                 overlay: bool | ServedOverlay | None = False, clock: Callable[[], float] = time.monotonic):
+        self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, getattr(loaded, "info", None)
         self.device = next(self.model.parameters()).device
         refs = split_references(datastores)
         if refs and store is None:
@@ -109,6 +121,9 @@ class Engine:
         self.dense = registry.needs_dense([method]) if dense is None else dense
         self.verify, self.refresh_seconds, self._clock = verify, refresh_seconds, clock
         self.log = ServedLog(log) if isinstance(log, str | os.PathLike) else log
+        if overlay is not None and not isinstance(overlay, bool | ServedOverlay):
+            raise SpecstoreError(f"overlay must be True, False or a ServedOverlay, got {overlay!r}")
+        self.overlay = ServedOverlay() if overlay is True else None if overlay is False else overlay  # (an empty one is falsy)
         self._slots = tuple(_Slot(Ref.parse(r), self._open(r)) for r in refs)
         self._router: tuple[tuple[_Slot, ...], object] | None = None
         self._lock, self._refresh_lock = threading.Lock(), threading.Lock()
@@ -129,6 +144,15 @@ class Engine:
             for ref in refs:
                 store.resolve(ref)
         return cls(load_model(model, dtype=dtype, device=device), store, refs, **options)
+
+    @classmethod
+    def for_model(cls, model, tokenizer, **options) -> Engine:
+        """An engine over a model and tokenizer already loaded (no datastore; ``method`` ar
+        unless given): what the one-shot ``api.generate`` serves its request with."""
+        from types import SimpleNamespace
+
+        options.setdefault("method", "ar")
+        return cls(SimpleNamespace(model=model, tokenizer=tokenizer, info=None), **options)
 
     # ---- versions ------------------------------------------------------------------------------
     @property
@@ -178,9 +202,23 @@ class Engine:
             return api.prompt_ids(self.tokenizer, prompt)
         return list(self.tokenizer(prompt)["input_ids"])
 
+    def route(self, prompt: str | Sequence, *, template: bool = True) -> tuple[str, dict[str, float] | None]:
+        """``(reference, scores)``: the open reference a request for ``prompt`` would draft from
+        now (scores None when there was no choice). Pass it back as ``generate(datastore=...)``
+        to decode with it without routing again."""
+        with self._lock:  # the router runs the model
+            slots = self._slots
+            if not slots:
+                raise SpecstoreError("this engine has no datastore open")
+            slot, scores = self._choose(slots, None, self.prompt_ids(prompt, template), template)
+            return str(slot.reference), scores
+
     def _pick(self, slots: tuple[_Slot, ...], method: str, datastore: str | None, ids: list[int], template: bool):
         if not registry.datastore_methods([method]) or not slots:
             return None, None
+        return self._choose(slots, datastore, ids, template)
+
+    def _choose(self, slots: tuple[_Slot, ...], datastore: str | None, ids: list[int], template: bool):
         if datastore is not None:
             for slot in slots:
                 if datastore in (str(slot.reference), slot.reference.name, slot.datastore.ref):
@@ -196,17 +234,23 @@ class Engine:
         return slots[route.index], route.scores
 
     def _drafter(self, method: str, datastore: Datastore | None):
-        return registry.make_drafter(method, datastore, **self.drafter_options.get(method, {}))
+        options = dict(self.drafter_options.get(method, {}))
+        if self.overlay is not None and registry.method_info(method).overlay:
+            options["overlay"] = self.overlay
+        return registry.make_drafter(method, datastore, **options)
 
     def generate(self, prompt: str | Sequence, *, method: str | None = None, datastore: str | None = None,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[str], None] | None = None, template: bool = True,
-                 cancel: threading.Event | None = None) -> ServedResult:
+                 cancel: threading.Event | None = None, drafter: Drafter | None = None) -> ServedResult:
         """Serve one request (waits for the one in progress). ``prompt``: a string (one user
         message), chat messages, or token ids; ``template=False`` sends a string as raw text.
         ``datastore``: which open reference to draft from (by reference or name; default: the
         only one, or routed). ``stream`` receives new text; setting ``cancel`` stops the request
-        at its next commit with RequestCancelled."""
+        at its next commit with RequestCancelled. ``drafter``: a ready Drafter to decode with
+        instead of building one for ``method`` (``datastore`` does not apply)."""
+        if drafter is not None and (method is not None or datastore is not None):
+            raise SpecstoreError("give a drafter or a method and datastore, not both")
         method = method or self.method
         with self._lock:
             if cancel is not None and cancel.is_set():
@@ -214,20 +258,35 @@ class Engine:
             self._maybe_refresh()
             slots = self._slots  # this request's versions, whatever refresh() does meanwhile
             ids = self.prompt_ids(prompt, template)
-            slot, routing = self._pick(slots, method, datastore, ids, template)
-            ds = slot.datastore if slot is not None else None
-            if ds is not None and registry.needs_dense([method]) and ds.dense is None and ds.has_dense:
-                ds.load_dense()  # a sparse version has none: dresd refuses it (registry.check_index), respec skips it
-            drafter = self._drafter(method, ds)
-            out = api.generate(self.model, self.tokenizer, ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed, stream=_checked(stream, cancel))
+            slot, routing, ds = None, None, None
+            if drafter is None:
+                slot, routing = self._pick(slots, method, datastore, ids, template)
+                ds = slot.datastore if slot is not None else None
+                if ds is not None and registry.needs_dense([method]) and ds.dense is None and ds.has_dense:
+                    ds.load_dense()  # a sparse version has none: dresd refuses it (registry.check_index), respec skips it
+                drafter = self._drafter(method, ds)
+            else:
+                method = getattr(drafter, "name", type(drafter).__name__)
+            out = self._decode(ids, drafter, max_new_tokens, Sampling.seeded(temperature, top_p, seed),
+                               _checked(stream, cancel))
+            stats_of = getattr(drafter, "overlay_stats", None)
             result = ServedResult(
-                out.text, out.token_ids, out.prompt_ids, out.stats, out.stop_reason, method,
+                out.text, out.token_ids, ids, out.stats, out.stop_reason, method,
                 ds.ref if ds is not None else None, str(slot.reference) if slot is not None else None,
-                bool(getattr(drafter, "lossless", True)), routing, drafter,
+                bool(getattr(drafter, "lossless", True)), routing, drafter, stats_of() if callable(stats_of) else None,
             )
             self._served(prompt, template, result, dict(temperature=temperature, top_p=top_p, seed=seed))
             return result
+
+    def _decode(self, ids: list[int], drafter: Drafter, max_new_tokens: int, sampling, stream) -> api.GenerateResult:
+        """One decode with ``drafter``; ``stream`` receives newly committed text."""
+        streamer = api.TextStream(self.tokenizer, stream) if stream is not None else None
+        out = decode(self.model, ids, drafter, max_new_tokens, sampling, api.eos_ids(self.model, self.tokenizer),
+                     on_commit=streamer)
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        if streamer is not None:
+            streamer.flush(text)
+        return api.GenerateResult(text, out.token_ids, out.stats, out.stop_reason, ids)
 
     def stream(self, prompt: str | Sequence, **options) -> TextIterator:
         """``for piece in engine.stream(prompt, ...)``: the text as it is accepted; ``.result``
@@ -235,6 +294,8 @@ class Engine:
         return TextIterator(self, prompt, options)
 
     def _served(self, prompt, template: bool, result: ServedResult, sampling: dict) -> None:
+        if self.overlay is not None:
+            self.overlay.add(result.token_ids, result.prompt_ids)
         if self.log is None:
             return
         meta = {

@@ -10,11 +10,14 @@ and the offset in its source where each one starts:
   for a capped, evenly spread sample of its occurrences (``suffix_sample``) and, for a few
   candidates, reduced to the distinct drafts most occurrences share (``ranked_drafts``);
 - dense (DReSD): the datastore positions nearest to the target's hidden state whose stored next
-  token is the pending token, and their stored continuations (``DenseSource``).
+  token is the pending token, and their stored continuations (``DenseSource``);
+- served overlay: what the engine has served (overlay.py), searched through the same calls as
+  a suffix index; ``pooled_sample`` searches a datastore and the overlay together for REST
+  (the longer match wins; equal matches pool their rows, each source weighing the same).
 
-pld, rest and dresd are thin drafters over one source each; ReSpec's pool combines all three.
-Does not own the search structures (suffix_array.py, sharded_suffix.py, dense.py), trees
-(drafters) or scores (ReSpec).
+pld, rest and dresd are thin drafters over one source each (pld and rest also consult the
+overlay when given one); ReSpec's pool combines all four. Does not own the search structures
+(suffix_array.py, sharded_suffix.py, dense.py, overlay.py), trees (drafters) or scores (ReSpec).
 """
 
 from __future__ import annotations
@@ -112,6 +115,22 @@ def suffix_sample(index: SuffixSearch, context: Sequence[int], length: int, *, m
         return None
     rows, offsets = index.continuations(match, length, max_matches, spread=True, return_offsets=True)
     return SuffixSample(match.length, match.count, rows, offsets)
+
+
+def pooled_sample(found: SuffixSample | None, served: SuffixSample | None) -> tuple[SuffixSample | None, np.ndarray | None]:
+    """A datastore's sample and the served overlay's, searched for the same context, as one:
+    the longer match wins; on equal lengths the rows are pooled, the overlay's repeated so that
+    both sources weigh about the same in prefix counts (its rows are the target's own outputs
+    but usually far fewer). Returns ``(sample, overlay rows in it or None)``; a pooled sample's
+    offsets mix both sources' offset spaces (REST reads rows only)."""
+    if served is None or (found is not None and found.match_length > served.match_length):
+        return found, None
+    if found is None or served.match_length > found.match_length:
+        return served, served.rows
+    repeat = max(1, round(len(found.rows) / max(len(served.rows), 1)))
+    rows = np.concatenate([found.rows, np.repeat(served.rows, repeat, axis=0)])
+    offsets = np.concatenate([found.offsets, np.repeat(served.offsets, repeat)])
+    return SuffixSample(found.match_length, found.num_matches + served.num_matches, rows, offsets), served.rows
 
 
 def ranked_drafts(sample: SuffixSample, num: int) -> list[Continuation]:

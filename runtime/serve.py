@@ -203,6 +203,7 @@ def create_app(engine: Engine, *, max_queue: int = 16, defaults: Defaults | None
         return JSONResponse({
             "status": "ok", "model": name, "method": engine.method, "datastores": engine.datastores,
             "refresh_errors": engine.refresh_errors, "log_errors": engine.num_log_errors, "queue": scheduler.stats(),
+            "overlay": engine.overlay.stats() if engine.overlay is not None else None,
         })
 
     async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -156,6 +156,7 @@ def vendor(result: ServedResult) -> dict:
         "datastore": result.datastore, "reference": result.reference, "method": result.method, "mat": s.mat,
         "acceptance_rate": s.acceptance_rate, "steps": s.steps, "num_drafted": s.num_drafted, "num_accepted": s.num_accepted,
         "drafting_s": s.drafting_s, "verifying_s": s.verifying_s, "stop_reason": result.stop_reason, "lossless": result.lossless,
+        "overlay": result.overlay,  # with the overlay on: its nodes drafted and accepted in this request
     }
 
 

@@ -154,7 +154,7 @@ def test_requests_from_several_threads_run_one_at_a_time(own, monkeypatch):
     store, loaded, outputs = own
     engine = Engine(loaded, store, "own@1")
     active, peak, lock = [0], [0], threading.Lock()
-    inner = engine_module.api.generate
+    inner = engine_module.decode
 
     def counting(*args, **kwargs):
         with lock:
@@ -166,7 +166,7 @@ def test_requests_from_several_threads_run_one_at_a_time(own, monkeypatch):
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(engine_module.api, "generate", counting)
+    monkeypatch.setattr(engine_module, "decode", counting)
     results: dict[tuple[int, int], list[int]] = {}
 
     def client(i: int) -> None:

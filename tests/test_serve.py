@@ -195,6 +195,7 @@ def test_a_full_queue_answers_503(own):
         for c in clients:
             c.join(60)
         assert answers == [200, 200]
+        _wait(lambda: not _health(server.url)["queue"]["busy"])  # the worker clears it just after the answer goes out
         queue = _health(server.url)["queue"]
         assert (queue["served"], queue["refused"], queue["waiting"], queue["busy"]) == (2, 1, 0, False)
 

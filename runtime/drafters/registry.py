@@ -4,10 +4,12 @@ CLI, the API, the bench and the simulator.
 A method is a ``Method``: its factory ``create(datastore=None, **options) -> Drafter`` in the
 drafter's own module, named as ``"module:function"`` and imported only when asked for (a
 datastore-backed drafter may pull in LanceDB); what it reads (a datastore's suffix array, its
-dense index, the target's hidden state or logits); whether it still works on a sparse version
-(no dense index: ``sparse_ok``, respec skips its dense source) or refuses one (``check_index``,
-one clear error); and optionally a light module (no torch) with its ``generate`` command-line
-options. To add a method, add one entry to ``METHODS`` (or
+dense index, the target's hidden state or logits, the engine's served overlay); whether it still
+works on a sparse version (no dense index: ``sparse_ok``, respec skips its dense source) or
+refuses one (``check_index``, one clear error); and optionally a light module (no torch) with
+its ``generate`` command-line options. A method that reads the overlay takes it as the
+factory's ``overlay`` keyword (only an engine with one passes it). To add a method, add one
+entry to ``METHODS`` (or
 call ``register``). A factory that needs a datastore raises SpecstoreError when given none.
 
 A CLI module defines ``add_cli_options(parser)`` (an argument group), ``given(args) -> list of
@@ -38,6 +40,7 @@ class Method:
     states: bool = False  # reads the target's hidden state or logits (the simulator computes them)
     cli: str | None = None  # module with the method's own `generate` options
     sparse_ok: bool = False  # reads the dense index only when the version has one (a sparse version has none)
+    overlay: bool = False  # searches the engine's served overlay (factory keyword ``overlay``)
 
     @property
     def datastore(self) -> bool:
@@ -47,19 +50,20 @@ class Method:
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
     "ar": Method(_D + "ar:create"),
-    "pld": Method(_D + "pld:create"),
-    "rest": Method(_D + "rest:create", suffix=True),
+    "pld": Method(_D + "pld:create", overlay=True),
+    "rest": Method(_D + "rest:create", suffix=True, overlay=True),
     "dresd": Method(_D + "dresd:create", dense=True, states=True),
-    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True),
+    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True,
+                     overlay=True),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
 
 
 def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
-             states: bool = False, cli: str | None = None, sparse_ok: bool = False) -> None:
+             states: bool = False, cli: str | None = None, sparse_ok: bool = False, overlay: bool = False) -> None:
     """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
-    METHODS[method] = Method(factory, suffix, dense, states, cli, sparse_ok)
+    METHODS[method] = Method(factory, suffix, dense, states, cli, sparse_ok, overlay)
 
 
 def available() -> list[str]:

@@ -28,6 +28,10 @@ Defaults: ``entropy_threshold`` 4 nats, ``max_candidates`` 3, ``length_factor`` 
 rule's ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3 are measured by
 ``benchmarks/respec_relaxed.py``. Figures: BENCHMARKS.md.
 
+Given the engine's served overlay, it is one more source of the pool (``"overlay"`` keys, their
+own EMA scores like every key); nodes of overlay candidates are marked ``node_data["overlay"]``
+and tallied in ``overlay_use``.
+
 The command line's ReSpec options live in respec_cli.py.
 """
 
@@ -43,6 +47,7 @@ from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
 from specstore.runtime.drafters.respec_pool import CandidatePool, PoolConfig
 from specstore.runtime.errors import SpecstoreError
+from specstore.runtime.overlay import OverlayUse
 from specstore.runtime.relaxed import RelaxedRule
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
@@ -85,10 +90,13 @@ def entropy(logits: torch.Tensor) -> float:
 class ReSpecDrafter:
     name = "respec"
 
-    def __init__(self, datastore=None, config: ReSpecConfig | None = None, fallback: Drafter | None = None):
+    def __init__(self, datastore=None, config: ReSpecConfig | None = None, fallback: Drafter | None = None,
+                 overlay=None):
         self.datastore = datastore
         self.config = config or ReSpecConfig()
-        self.pool = CandidatePool(datastore, self.config.pool)
+        self.overlay = overlay
+        self.pool = CandidatePool(datastore, self.config.pool, overlay)
+        self.overlay_use = OverlayUse()
         self.fallback = fallback if fallback is not None else PromptLookupDrafter(num_draft_tokens=self.config.draft_length)
         self.lossless = not self.config.relaxed
         # the verifier's acceptance rule for this drafter's trees (None: the sampling rule)
@@ -100,7 +108,12 @@ class ReSpecDrafter:
     def reset(self, prompt_ids: list[int]) -> None:
         self.scores = {}
         self.num_retrieved_steps = self.num_fallback_steps = 0
+        self.overlay_use = OverlayUse()
         self.fallback.reset(prompt_ids)
+
+    def overlay_stats(self) -> dict | None:
+        """This request's overlay tally (None without an overlay)."""
+        return self.overlay_use.to_dict() if self.overlay is not None else None
 
     def score(self, key: tuple[str, int]) -> float:
         return self.scores.get(key, self.config.prior_score)
@@ -139,6 +152,12 @@ class ReSpecDrafter:
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
                 tree.meta["candidate_keys"] = [c.key for c in chosen]
                 tree.node_data["retrieved"] = np.ones(len(tree), dtype=bool)  # every pool source retrieves
+                if self.overlay is not None:
+                    served = np.zeros(len(tree), dtype=bool)
+                    for c, nodes in zip(chosen, tree.paths, strict=True):
+                        if c.source == "overlay":
+                            served[nodes] = True
+                    tree.node_data["overlay"] = served
                 return tree
         self.num_fallback_steps += 1
         tree = self.fallback.propose(state)
@@ -152,6 +171,7 @@ class ReSpecDrafter:
                 "fallback": getattr(self.fallback, "name", None)}
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
+        self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)
         keys = tree.meta.get("candidate_keys")
         if not keys:
             return
@@ -165,9 +185,11 @@ class ReSpecDrafter:
             self.update(key, count)
 
 
-def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, **options) -> ReSpecDrafter:
+def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, overlay=None,
+           **options) -> ReSpecDrafter:
     """Registry factory: ``options`` are ReSpecConfig fields, ``pool`` PoolConfig fields;
-    ``fallback`` a Drafter, or ``draft_model`` (a loaded causal LM or a folder) for ModelDrafter."""
+    ``fallback`` a Drafter, or ``draft_model`` (a loaded causal LM or a folder) for ModelDrafter;
+    ``overlay``: a served overlay, one more pool source."""
     if datastore is None:
         raise SpecstoreError("method 'respec' needs a datastore (--datastore NAME[@VERSION|@TAG])")
     if isinstance(options.get("relaxed"), str):
@@ -185,7 +207,7 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
         from specstore.runtime.drafters.model import create as create_model_drafter
 
         fallback = create_model_drafter(model=draft_model, num_draft_tokens=min(config.draft_length, 4))
-    return ReSpecDrafter(datastore, config, fallback)
+    return ReSpecDrafter(datastore, config, fallback, overlay)
 
 
 def _on_off(value: str) -> bool:

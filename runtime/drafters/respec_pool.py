@@ -6,6 +6,8 @@ no trees): ``CandidatePool.gather(state, length)`` returns ``Candidate``s from
 
 - ``context``: several distinct continuations of the context's longest suffix n-gram found
   earlier in it, most recent first;
+- ``overlay``: the distinct continuations most occurrences share, of the longest context suffix
+  found in what the engine has served (overlay.py; when the engine gives the drafter one);
 - ``suffix``: the distinct continuations most occurrences share, of the longest context suffix
   found in the datastore's suffix index (plain or sharded);
 - ``dense``: the nearest datastore positions to ``state.last_hidden`` whose stored next token is
@@ -33,7 +35,7 @@ from specstore.runtime.retrieval import (
     suffix_sample,
 )
 
-SOURCES = ("context", "suffix", "dense")
+SOURCES = ("context", "overlay", "suffix", "dense")
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class PoolConfig:
     num_context: int = 2  # context occurrences per step
     num_suffix: int = 3  # distinct suffix-array continuations per step
     num_dense: int = 3  # dense neighbours per step (after the next-token filter)
+    num_overlay: int = 3  # distinct served-overlay continuations per step
     max_ngram: int = 4  # longest context n-gram tried (pending token included)
     min_ngram: int = 1
     max_span: int = 16  # longest suffix tried in the datastore (REST)
@@ -63,17 +66,19 @@ def _keyed(source: str, found: list[Continuation], size: int) -> list[Candidate]
 
 
 class CandidatePool:
-    """The sources of one datastore (``None``: the context only)."""
+    """The sources of one datastore (``None``: the context only) and of the served overlay."""
 
-    def __init__(self, datastore=None, config: PoolConfig | None = None):
+    def __init__(self, datastore=None, config: PoolConfig | None = None, overlay=None):
         self.config = config or PoolConfig()
+        self.overlay = overlay
         self.suffix = datastore.suffix if datastore is not None else None
         has_dense = datastore is not None and datastore.dense is not None
         self.dense = DenseSource(datastore.normaliser, datastore.dense, datastore.continuations) if has_dense else None
 
     def gather(self, state: DecodeState, length: int) -> list[Candidate]:
-        """All candidates for this step, interleaved by rank across sources (each source's best
-        first, then each one's second, ...) so that ties in score keep the pool diverse."""
+        """All candidates for this step, interleaved by rank across sources in ``SOURCES`` order
+        (each source's best first, then each one's second, ...) so that ties in score keep the
+        pool diverse."""
         cfg, size = self.config, len(state.tokens)
         if length <= 0 or size < 2:
             return []
@@ -82,6 +87,10 @@ class CandidatePool:
             tokens = np.asarray(state.tokens, dtype=np.int64)
             found = context_continuations(tokens, length, cfg.num_context, cfg.max_ngram, cfg.min_ngram)
             per_source.append(_keyed("context", found, size))
+        if self.overlay is not None and cfg.num_overlay > 0:
+            sample = suffix_sample(self.overlay, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
+                                   max_matches=cfg.max_matches)
+            per_source.append(_keyed("overlay", ranked_drafts(sample, cfg.num_overlay) if sample else [], size))
         if self.suffix is not None and cfg.num_suffix > 0:
             sample = suffix_sample(self.suffix, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
                                    max_matches=cfg.max_matches)

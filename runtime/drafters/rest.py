@@ -4,8 +4,11 @@ Owns the REST algorithm over retrieval.py's suffix-array source: the longest suf
 context (pending token included, spans from ``max_span`` down to ``min_span``) that occurs in
 the datastore, what follows a capped, evenly spread sample of its occurrences; every
 continuation prefix is counted and the most frequent prefixes become one token tree of at most
-``max_nodes`` nodes. Deterministic. Works on a plain or a sharded suffix index alike. Does not
-own the search (suffix_array.py, sharded_suffix.py) or verification.
+``max_nodes`` nodes. Deterministic. Works on a plain or a sharded suffix index alike. Given the
+engine's served overlay (overlay.py), it searches the datastore and the overlay together
+(retrieval.py's ``pooled_sample``) and marks the nodes the overlay drafted
+(``node_data["overlay"]``, tallied in ``overlay_use``). Does not own the search (suffix_array.py,
+sharded_suffix.py, overlay.py) or verification.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import numpy as np
 
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.errors import SpecstoreError
-from specstore.runtime.retrieval import SuffixSearch, suffix_sample
+from specstore.runtime.overlay import OverlayUse, overlay_flags
+from specstore.runtime.retrieval import SuffixSearch, pooled_sample, suffix_sample
 from specstore.runtime.suffix_array import SEPARATOR
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
@@ -89,17 +93,24 @@ class RestDrafter:
     name = "rest"
     lossless = True
 
-    def __init__(self, index: SuffixSearch, config: RestConfig | None = None):
+    def __init__(self, index: SuffixSearch, config: RestConfig | None = None, overlay: SuffixSearch | None = None):
         self.index = index
         self.config = config or RestConfig()
+        self.overlay = overlay  # the engine's served overlay, searched with the datastore
+        self.overlay_use = OverlayUse()
         self.last_match_len = 0  # for stats and debugging: span of the last match (0 = none)
 
     @classmethod
-    def from_datastore(cls, datastore, **options) -> RestDrafter:
-        return cls(datastore.suffix, RestConfig(**options))
+    def from_datastore(cls, datastore, overlay: SuffixSearch | None = None, **options) -> RestDrafter:
+        return cls(datastore.suffix, RestConfig(**options), overlay)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.last_match_len = 0
+        self.overlay_use = OverlayUse()
+
+    def overlay_stats(self) -> dict | None:
+        """This request's overlay tally (None without an overlay)."""
+        return self.overlay_use.to_dict() if self.overlay is not None else None
 
     def propose(self, state: DecodeState) -> DraftTree:
         cfg = self.config
@@ -107,22 +118,29 @@ class RestDrafter:
         self.last_match_len = 0
         if length <= 0 or cfg.max_nodes <= 0:
             return DraftTree.empty()
-        sample = suffix_sample(self.index, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
-                               max_matches=cfg.max_matches)
+        search = dict(max_span=cfg.max_span, min_span=cfg.min_span, max_matches=cfg.max_matches)
+        sample = suffix_sample(self.index, state.tokens, length, **search)
+        served = None
+        if self.overlay is not None:
+            sample, served = pooled_sample(sample, suffix_sample(self.overlay, state.tokens, length, **search))
         if sample is None:
             return DraftTree.empty()
         self.last_match_len = sample.match_length
         tree = prefix_tree(sample.rows, cfg.max_nodes, cfg.min_count)
         tree.meta["match_len"] = sample.match_length
         tree.meta["num_matches"] = sample.num_matches
+        if served is not None:
+            tree.node_data["overlay"] = overlay_flags(tree.tokens, tree.parents, served)
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
-        """REST keeps no feedback."""
+        """REST keeps no feedback; with an overlay, it counts the overlay's accepted nodes."""
+        self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)
 
 
-def create(datastore=None, **options) -> RestDrafter:
-    """Registry factory: ``options`` are RestConfig fields (max_nodes, max_span, ...)."""
+def create(datastore=None, overlay=None, **options) -> RestDrafter:
+    """Registry factory: ``options`` are RestConfig fields (max_nodes, max_span, ...);
+    ``overlay``: a served overlay searched with the datastore."""
     if datastore is None:
         raise SpecstoreError("method 'rest' needs a datastore (--datastore NAME[@VERSION|@TAG])")
-    return RestDrafter.from_datastore(datastore, **options)
+    return RestDrafter.from_datastore(datastore, overlay, **options)

@@ -7,7 +7,10 @@ datastore, prompts and verifier. Its suffix trees hold the datastore's documents
 tree); each step asks ``speculate`` for a draft of at most ``max_spec_tokens`` tokens (always
 passed: without it the library drafts up to the tree depth) and the verifier checks it like any
 other tree, so the method stays lossless. Responses of earlier prompts are evicted when the next
-prompt starts, so prompts do not help each other (as for every specstore method).
+prompt starts, so prompts do not help each other (as for every specstore method without the
+served overlay); with ``learn=True`` they stay in the global tree, as SuffixDecoding does when it
+serves (the anchor for the overlay in ``benchmarks/served_stream.py``, which keeps one drafter
+for the whole stream).
 
 Install (CPU, no vLLM): ``make install-suffixdecoding`` (pip ``--no-build-isolation --no-deps``
 after torch, nanobind 2.9.2, cmake and ninja).
@@ -40,7 +43,8 @@ class SuffixDecodingDrafter:
     lossless = True
 
     def __init__(self, datastore, *, max_spec_tokens: int = 16, max_tree_depth: int = 64, max_spec_factor: float = 1.0,
-                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1, use_tree_spec: bool = False):
+                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1, use_tree_spec: bool = False,
+                 learn: bool = False):
         try:
             from arctic_inference.suffix_decoding import SuffixDecodingCache
         except ImportError:
@@ -49,6 +53,7 @@ class SuffixDecodingDrafter:
             raise SpecstoreError("suffixdecoding: max_spec_tokens and max_tree_depth must be positive")
         self.max_spec_tokens = int(max_spec_tokens)
         self.max_tree_depth = int(max_tree_depth)
+        self.learn = bool(learn)
         self.options = dict(max_spec_factor=float(max_spec_factor), max_spec_offset=float(max_spec_offset),
                             min_token_prob=float(min_token_prob), use_tree_spec=bool(use_tree_spec))
         self.cache = SuffixDecodingCache(max_tree_depth=self.max_tree_depth, max_cached_requests=-1)
@@ -71,7 +76,7 @@ class SuffixDecodingDrafter:
     def _end_request(self) -> None:
         if self._request is not None:
             self.cache.stop_request(self._request)
-            if self._request in self.cache.cached_requests:
+            if not self.learn and self._request in self.cache.cached_requests:
                 self.cache.evict_cached_response(self._request)
             self._request = None
 
