@@ -35,7 +35,12 @@ def run_generate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     datastore, route = _open(args, store, refs, loaded, dense=method.dense) if refs else (None, None)
     options = registry.options_from_args(args.method, args, loaded)
-    drafter = registry.make_drafter(args.method, datastore, **options)
+    cost = None
+    if args.cost_aware == "on" and registry.cost_aware_methods([args.method]):
+        from specstore.runtime.cost import load_cost_model
+
+        cost = load_cost_model(loaded.model, loaded.info, refresh=args.refresh_cost, quiet=args.json)
+    drafter = registry.make_drafter(args.method, datastore, cost=cost, **options)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)

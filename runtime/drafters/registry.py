@@ -35,28 +35,37 @@ class Method:
     dense: bool = False  # reads its dense index (opening then loads the tokens table)
     states: bool = False  # reads the target's hidden state or logits (the simulator computes them)
     cli: str | None = None  # module with the method's own `generate` options
+    # None: no cost-aware sizing; else the factory options it proposes with (the pruner cuts)
+    cost_options: dict | None = None
 
     @property
     def datastore(self) -> bool:
         return self.suffix or self.dense
 
 
+# cost-aware tree sizing (cost_aware.py) for the methods that support it, unless --cost-aware off
+COST_AWARE_DEFAULT = "on"
+COST_AWARE_HELP = ("size each draft tree by expected committed tokens per second under this machine's measured "
+                   "verification cost (runtime/cost.py; pld, rest, dresd, respec); off: the methods' fixed caps")
+
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
     "ar": Method(_D + "ar:create"),
-    "pld": Method(_D + "pld:create"),
-    "rest": Method(_D + "rest:create", suffix=True),
-    "dresd": Method(_D + "dresd:create", dense=True, states=True),
-    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli"),
+    "pld": Method(_D + "pld:create", cost_options={"num_draft_tokens": 16}),
+    "rest": Method(_D + "rest:create", suffix=True, cost_options={}),
+    "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}),
+    "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli",
+                     cost_options={"length_factor": 0.0, "score_threshold": 0.0, "max_candidates": 8,
+                                   "max_nodes": 64, "draft_length": 16}),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
 
 
 def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
-             states: bool = False, cli: str | None = None) -> None:
+             states: bool = False, cli: str | None = None, cost_options: dict | None = None) -> None:
     """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
-    METHODS[method] = Method(factory, suffix, dense, states, cli)
+    METHODS[method] = Method(factory, suffix, dense, states, cli, cost_options)
 
 
 def available() -> list[str]:
@@ -85,13 +94,30 @@ def needs_states(methods: Iterable[str]) -> bool:
     return any(m in METHODS and METHODS[m].states for m in methods)
 
 
-def make_drafter(method: str, datastore=None, **options) -> Drafter:
-    """Build the drafter for ``method`` (ar, pld, and whatever else is registered)."""
-    factory = method_info(method).factory
+def cost_aware_methods(methods: Iterable[str]) -> list[str]:
+    """The registered methods among ``methods`` that size their trees by cost when asked to."""
+    return [m for m in methods if m in METHODS and METHODS[m].cost_options is not None]
+
+
+def make_drafter(method: str, datastore=None, *, cost=None, **options) -> Drafter:
+    """Build the drafter for ``method`` (ar, pld, and whatever else is registered). ``cost``: a
+    cost.CostModel: a method that supports it proposes with its ``cost_options`` (options given
+    here win) and is wrapped in cost_aware.CostAwareDrafter, which prunes each tree to what is
+    expected to pay for its verification; None: the method's fixed caps."""
+    spec = method_info(method)
+    aware = cost is not None and spec.cost_options is not None
+    if aware:
+        options = {**spec.cost_options, **options}
+    factory = spec.factory
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
-    return factory(datastore=datastore, **options)
+    drafter = factory(datastore=datastore, **options)
+    if aware:
+        from specstore.runtime.drafters.cost_aware import CostAwareDrafter
+
+        drafter = CostAwareDrafter(drafter, cost)
+    return drafter
 
 
 def _cli_modules() -> list[tuple[str, ModuleType]]:
