@@ -3,8 +3,8 @@ context of ``c`` cached tokens, for one loaded model, device, dtype and torch bu
 
 Owns measuring it (a few timed forwards through the TreeVerifier: warm-up first, then the
 median of repeats at node counts 0 (plain decoding), 1, 2, 4, ... 64 and at two context
-lengths), the fit (per context, piecewise linear in nodes and made non-decreasing; linear
-between contexts; linear past the last measured point), and the JSON cache under
+lengths), the fit (per context, a least-squares line in nodes with a non-negative slope; linear
+between contexts), and the JSON cache under
 ``cache_dir()/cost``, keyed by the model's hash, the device, the dtype, torch's version and
 (on the CPU) its thread count. A corrupt or mismatched cache file is measured again;
 ``refresh=True`` (the CLI's ``--refresh-cost``) always measures. Device-agnostic: on CUDA each
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,41 +41,36 @@ VERSION = 1  # of the cache file's layout
 @dataclass(slots=True)
 class CostModel:
     """``seconds[i][j]``: median seconds of one verification forward over ``nodes[j]`` tree
-    nodes (plus the pending token) after ``contexts[i]`` cached tokens."""
+    nodes (plus the pending token) after ``contexts[i]`` cached tokens; ``fit[i]``: the line
+    ``(a, b)`` fitted to row i (seconds = a + b * nodes), which the predictions use: a small
+    parametric fit, so that the noise of single medians does not shape the trees."""
 
     nodes: list[int]
     contexts: list[int]
     seconds: list[list[float]]
     key: dict
+    fit: list[tuple[float, float]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
             raise ValueError("a cost model needs one row of seconds per context, one value per node count")
         if list(self.nodes) != sorted(set(self.nodes)) or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError("node counts and contexts must be strictly increasing")
-        # the fit: a forward over more nodes never costs less (medians of noisy timings can dip)
-        self.seconds = [np.maximum.accumulate(np.maximum(np.asarray(r, dtype=float), 1e-9)).tolist() for r in self.seconds]
-
-    def _row(self, i: int, nodes: np.ndarray) -> np.ndarray:
-        xs, ys = np.asarray(self.nodes, dtype=float), np.asarray(self.seconds[i])
-        out = np.interp(nodes, xs, ys)
-        if len(xs) > 1:  # past the last measured count: the last segment's slope
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            out = np.where(nodes > xs[-1], ys[-1] + slope * (nodes - xs[-1]), out)
-        return out
+        self.fit = [_line(self.nodes, row) for row in self.seconds]
 
     def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
         """Predicted seconds of a forward over ``nodes`` (int or array) tree nodes after
-        ``context`` cached tokens (None: the first measured context)."""
+        ``context`` cached tokens (None: the first measured context): per context the fitted
+        line ``a + b * nodes``, linear between (and beyond) the measured contexts."""
         n = np.asarray(nodes, dtype=float)
-        rows = [self._row(i, n) for i in range(len(self.contexts))]
+        rows = [a + b * n for a, b in self.fit]
         if context is None or len(self.contexts) == 1:
             out = rows[0]
         else:
             c0, c1 = self.contexts[0], self.contexts[-1]
             w = (float(context) - c0) / (c1 - c0)
-            out = rows[0] + w * (rows[-1] - rows[0])  # linear in context, both directions
-            out = np.maximum(out, np.minimum(rows[0], rows[-1]) * 0.5)
+            out = rows[0] + w * (rows[-1] - rows[0])
+            out = np.maximum(out, np.minimum(rows[0], rows[-1]) * 0.5)  # far below the first context: bounded
         return float(out) if out.ndim == 0 else out
 
     def relative(self, nodes, context: int | None = None):
@@ -96,6 +91,18 @@ class CostModel:
     def flat(cls, seconds: float = 1.0) -> CostModel:
         """Every tree costs what plain decoding costs (for tests and what-ifs)."""
         return cls([0, 64], [0], [[seconds, seconds]], {"flat": seconds})
+
+
+def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``a + b * nodes`` through the medians, with ``b >= 0`` (a forward over more
+    nodes never costs less; a negative slope is noise) and ``a > 0``."""
+    x, y = np.asarray(nodes, dtype=float), np.asarray(seconds, dtype=float)
+    if len(x) < 2:
+        return max(float(y[0]), 1e-9), 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        a, b = float(y.mean()), 0.0
+    return max(float(a), 1e-9), float(b)
 
 
 def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
