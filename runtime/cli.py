@@ -206,6 +206,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="for requests that do not say (default: a fresh seed per request)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=["on", "off"],
+                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
     registry.add_cli_options(p)  # each method's own options, as for generate
     p.set_defaults(handler=_cmd_serve)
     return parser

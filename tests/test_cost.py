@@ -11,7 +11,13 @@ import torch
 
 from specstore.runtime.cost import CostModel, ForwardStep, cache_path, cost_key, load_cost_model, measure
 from specstore.runtime.decode import decode
-from specstore.runtime.drafters.cost_aware import Calibrator, CostAwareDrafter, best_size, path_probabilities, prune
+from specstore.runtime.drafters.cost_aware import (
+    Calibrator,
+    CostAwareDrafter,
+    best_size,
+    path_probabilities,
+    prune,
+)
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.models import model_info
 from specstore.runtime.sampling import Sampling

@@ -26,7 +26,13 @@ from specstore.runtime.api import generate, prompt_ids
 from specstore.runtime.bench.metrics import first_difference, summarise
 from specstore.runtime.bench.questions import Question, load_questions
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.drafters.registry import COST_AWARE_DEFAULT, cost_aware_methods, datastore_methods, make_drafter, needs_dense
+from specstore.runtime.drafters.registry import (
+    COST_AWARE_DEFAULT,
+    cost_aware_methods,
+    datastore_methods,
+    make_drafter,
+    needs_dense,
+)
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
 from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord

@@ -5,7 +5,8 @@ Owns combining the sources and keying their continuations (no retrieval of its o
 no trees): ``CandidatePool.gather(state, length)`` returns ``Candidate``s from
 
 - ``context``: several distinct continuations of the context's longest suffix n-gram found
-  earlier in it, most recent first;
+  earlier in it, full-length ones first, most recent first (prompt lookup's rule, so that a
+  long copy from the context is drafted whole);
 - ``suffix``: the distinct continuations most occurrences share, of the longest context suffix
   found in the datastore's suffix index (plain or sharded);
 - ``dense``: the nearest datastore positions to ``state.last_hidden`` whose stored next token is
