@@ -59,6 +59,8 @@ def test_context_continuations_full_length_most_recent_first_and_distinct():
     # the recent occurrences are cut by the context's end (3 and 6 tokens): the full one comes first
     found = context_continuations(tokens, length=9, num=3, max_ngram=1)
     assert [c.tokens for c in found] == [[5, 6, 4, 5, 6, 4, 7, 8, 4], [5, 6, 4, 7, 8, 4], [7, 8, 4]]
+    recent = context_continuations(tokens, length=9, num=3, max_ngram=1, full_first=False)
+    assert [c.tokens for c in recent] == [[7, 8, 4], [5, 6, 4, 7, 8, 4], [5, 6, 4, 5, 6, 4, 7, 8, 4]]
     # a repetitive stream: the latest occurrence drafts one token, the run's start all of them
     run = np.array([9, 7, 7, 7, 7, 7, 7, 7])
     assert context_continuations(run, length=4, num=1, max_ngram=2)[0].tokens == [7, 7, 7, 7]

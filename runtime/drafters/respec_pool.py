@@ -57,6 +57,7 @@ class PoolConfig:
     max_span: int = 16  # longest suffix tried in the datastore (REST)
     min_span: int = 2
     max_matches: int = 64  # datastore occurrences read per step, spread evenly
+    context_full_first: bool = True  # context continuations of full length first (False: most recent first)
 
 
 def _keyed(source: str, found: list[Continuation], size: int) -> list[Candidate]:
@@ -81,7 +82,8 @@ class CandidatePool:
         per_source = []
         if cfg.num_context > 0:
             tokens = np.asarray(state.tokens, dtype=np.int64)
-            found = context_continuations(tokens, length, cfg.num_context, cfg.max_ngram, cfg.min_ngram)
+            found = context_continuations(tokens, length, cfg.num_context, cfg.max_ngram, cfg.min_ngram,
+                                          full_first=cfg.context_full_first)
             per_source.append(_keyed("context", found, size))
         if self.suffix is not None and cfg.num_suffix > 0:
             sample = suffix_sample(self.suffix, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
