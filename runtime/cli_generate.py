@@ -36,7 +36,7 @@ def run_generate(args: argparse.Namespace) -> int:
     datastore, route = _open(args, store, refs, loaded, dense=method.dense) if refs else (None, None)
     options = registry.options_from_args(args.method, args, loaded)
     cost = None
-    if args.cost_aware == "on" and registry.cost_aware_methods([args.method]):
+    if registry.uses_cost(args.method, args.cost_aware):
         from specstore.runtime.cost import load_cost_model
 
         cost = load_cost_model(loaded.model, loaded.info, refresh=args.refresh_cost, quiet=args.json)

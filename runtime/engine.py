@@ -90,16 +90,17 @@ class Engine:
     start of a request (None: only on ``refresh()``). ``log``: a path or ServedLog to append
     each served request to (off when None). ``verify``: hash every file of a version when it is
     opened (off: opening checks sizes and headers only; ``specstore verify`` hashes). ``cost``: a
-    cost.CostModel: the methods that support it size their trees by it (drafters/cost_aware.py),
-    one calibration per method kept across requests; None: fixed caps.
+    cost.CostModel: the methods that ``cost_aware`` (auto, on, off: registry.uses_cost) selects
+    size their trees by it (drafters/cost_aware.py), one calibration per method kept across
+    requests; None: fixed caps.
     """
 
     def __init__(self, loaded, store: Store | str | None = None, datastores: str | Sequence[str] | None = (), *,
                  method: str = "rest", drafter_options: Mapping[str, Mapping] | None = None, dense: bool | None = None,
                  verify: bool = False, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
-                 clock: Callable[[], float] = time.monotonic, cost=None):
+                 clock: Callable[[], float] = time.monotonic, cost=None, cost_aware: str = "on"):
         self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, loaded.info
-        self.cost, self._calibrators = cost, {}
+        self.cost, self.cost_aware, self._calibrators = cost, cost_aware, {}
         self.device = next(self.model.parameters()).device
         refs = split_references(datastores)
         if refs and store is None:
@@ -199,7 +200,8 @@ class Engine:
         return slots[route.index], route.scores
 
     def _drafter(self, method: str, datastore: Datastore | None):
-        drafter = registry.make_drafter(method, datastore, cost=self.cost, **self.drafter_options.get(method, {}))
+        cost = self.cost if registry.uses_cost(method, self.cost_aware) else None
+        drafter = registry.make_drafter(method, datastore, cost=cost, **self.drafter_options.get(method, {}))
         calibrator = getattr(drafter, "calibrator", None)
         if calibrator is not None:  # cost-aware: what earlier requests taught carries over
             drafter.calibrator = self._calibrators.setdefault(method, calibrator)

@@ -95,7 +95,8 @@ def test_bench_command_end_to_end(bench_setup, tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.json"
     code = main(["bench", "--store", str(folder / "store"), "--datastore", "code", "--questions", str(folder / "questions.jsonl"),
                  "--methods", "pld,rest,respec", "--limit", "2", "--max-new-tokens", "12", "--model", str(model),
-                 "--dtype", "float32", "--device", "cpu", "--option", "rest.max_nodes=8", "--out", str(out)])
+                 "--dtype", "float32", "--device", "cpu", "--option", "rest.max_nodes=8", "--cost-aware", "on",
+                 "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0 and "| respec |" in printed and f"wrote {out}" in printed
     result = load_result(str(out))
@@ -142,9 +143,9 @@ def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
                  "--methods", "pld", "--sweep", "pld.num_draft_tokens=2,4"])
     table = capsys.readouterr().out
     assert code == 0 and table.count("| pld |") == 2 and "predicted speedup vs ar" in table
-    # cost-aware (the default), with the cost model the bench stored: the bench's +cost MAT again
+    # cost-aware, with the cost model the bench stored: the bench's +cost MAT again
     code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
-                 "--methods", "pld,rest,dresd,respec", "--model", str(model), "--json"])
+                 "--methods", "pld,rest,dresd,respec", "--model", str(model), "--cost-aware", "on", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert code == 0 and all(r["cost_aware"] for r in rows)
     for r in rows:

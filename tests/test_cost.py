@@ -243,3 +243,18 @@ def test_default_model_cost_aware_methods_identical_to_ar_float32(tmp_path):
             out = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=48)
             assert out.token_ids == ar.token_ids, (method, prompt)
         assert drafter.num_kept <= drafter.num_proposed
+
+
+def test_cost_aware_modes_select_methods():
+    from specstore.runtime.bench.runner import drafter_labels
+    from specstore.runtime.drafters.registry import uses_cost
+    from specstore.runtime.errors import SpecstoreError
+
+    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "on")] == ["pld", "rest", "dresd", "respec"]
+    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "auto")] == ["rest", "dresd"]
+    assert not any(uses_cost(m, "off") for m in ("ar", "pld", "rest", "dresd", "respec"))
+    assert drafter_labels(["ar", "pld", "rest"], "both") == {"ar": ("ar", False), "pld": ("pld", False), "pld+cost": ("pld", True),
+                                                            "rest": ("rest", False), "rest+cost": ("rest", True)}
+    assert drafter_labels(["ar", "pld", "rest"], "auto") == {"ar": ("ar", False), "pld": ("pld", False), "rest": ("rest", True)}
+    with pytest.raises(SpecstoreError, match="cost-aware must be one of"):
+        drafter_labels(["pld"], "sometimes")

@@ -32,6 +32,7 @@ from specstore.runtime.drafters.registry import (
     datastore_methods,
     make_drafter,
     needs_dense,
+    uses_cost,
 )
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
@@ -129,22 +130,22 @@ def _spread(tokens: int, steps: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
-COST_AWARE_MODES = ("on", "off", "both")
+COST_AWARE_MODES = ("auto", "on", "off", "both")
 COST_SUFFIX = "+cost"  # with --cost-aware both: the cost-aware variant's label
 
 
 def drafter_labels(methods: list[str], cost_aware: str) -> dict[str, tuple[str, bool]]:
-    """Label -> (method, cost-aware?) in run order; ``both`` runs each cost-aware method twice,
-    as ``METHOD`` (fixed caps) and ``METHOD+cost``."""
+    """Label -> (method, cost-aware?) in run order (auto/on/off: registry.uses_cost); ``both``
+    runs each method that supports it twice, as ``METHOD`` (fixed caps) and ``METHOD+cost``."""
     if cost_aware not in COST_AWARE_MODES:
         raise SpecstoreError(f"--cost-aware must be one of {', '.join(COST_AWARE_MODES)}, got {cost_aware!r}")
     aware = set(cost_aware_methods(methods))
     labels: dict[str, tuple[str, bool]] = {}
     for m in methods:
-        if m not in aware or cost_aware == "off":
+        if cost_aware != "both":
+            labels[m] = (m, uses_cost(m, cost_aware))
+        elif m not in aware:
             labels[m] = (m, False)
-        elif cost_aware == "on":
-            labels[m] = (m, True)
         else:
             labels[m] = (m, False)
             labels[m + COST_SUFFIX] = (m, True)

@@ -23,11 +23,11 @@ import torch
 from specstore.runtime.bench.runner import parse_options
 from specstore.runtime.decode import DecodeStats, context_limit, decode
 from specstore.runtime.drafters.registry import (
-    cost_aware_methods,
     datastore_methods,
     make_drafter,
     needs_dense,
     needs_states,
+    uses_cost,
 )
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import forward_with_hidden
@@ -216,7 +216,6 @@ def run_simulate_command(args) -> int:
     if with_datastore:
         ds = Datastore.open(args.store, args.datastore, model_info=lm.info, dense=needs_dense(methods))
     cost = bench_cost_model(bench, args)
-    aware = args.cost_aware == "on"
     rows = []
     for m in methods:
         grid = sweeps.get(m, {})
@@ -225,7 +224,7 @@ def run_simulate_command(args) -> int:
         group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
-            with_cost = cost if aware and cost_aware_methods([m]) else None
+            with_cost = cost if uses_cost(m, args.cost_aware) else None
             reps = replay(lambda m=m, opts=opts, c=with_cost: make_drafter(m, datastore=ds, cost=c, **opts), refs,
                           bench.max_new_tokens, lm.model if need_states else None,
                           context_limit(lm.model) if lm is not None else None)

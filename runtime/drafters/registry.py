@@ -37,23 +37,27 @@ class Method:
     cli: str | None = None  # module with the method's own `generate` options
     # None: no cost-aware sizing; else the factory options it proposes with (the pruner cuts)
     cost_options: dict | None = None
+    cost_default: bool = False  # cost-aware under --cost-aware auto (the default)
 
     @property
     def datastore(self) -> bool:
         return self.suffix or self.dense
 
 
-# cost-aware tree sizing (cost_aware.py) for the methods that support it, unless --cost-aware off
-COST_AWARE_DEFAULT = "on"
+# cost-aware tree sizing (cost_aware.py): "on" for every method that supports it, "off" for none,
+# "auto" for those whose ``cost_default`` is set (where it measured faster: BENCHMARKS.md)
+COST_AWARE_MODES = ("auto", "on", "off")
+COST_AWARE_DEFAULT = "auto"
 COST_AWARE_HELP = ("size each draft tree by expected committed tokens per second under this machine's measured "
-                   "verification cost (runtime/cost.py; pld, rest, dresd, respec); off: the methods' fixed caps")
+                   "verification cost (runtime/cost.py; pld, rest, dresd, respec); off: the methods' fixed caps; "
+                   "auto: on for rest and dresd, where it measured faster")
 
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
     "ar": Method(_D + "ar:create"),
     "pld": Method(_D + "pld:create", cost_options={"num_draft_tokens": 16}),
-    "rest": Method(_D + "rest:create", suffix=True, cost_options={}),
-    "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}),
+    "rest": Method(_D + "rest:create", suffix=True, cost_options={}, cost_default=True),
+    "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}, cost_default=True),
     "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli",
                      cost_options={"length_factor": 0.0, "score_threshold": 0.0, "max_candidates": 8,
                                    "max_nodes": 64, "draft_length": 16}),
@@ -63,9 +67,10 @@ METHODS: dict[str, Method] = {
 
 
 def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
-             states: bool = False, cli: str | None = None, cost_options: dict | None = None) -> None:
+             states: bool = False, cli: str | None = None, cost_options: dict | None = None,
+             cost_default: bool = False) -> None:
     """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
-    METHODS[method] = Method(factory, suffix, dense, states, cli, cost_options)
+    METHODS[method] = Method(factory, suffix, dense, states, cli, cost_options, cost_default)
 
 
 def available() -> list[str]:
@@ -97,6 +102,16 @@ def needs_states(methods: Iterable[str]) -> bool:
 def cost_aware_methods(methods: Iterable[str]) -> list[str]:
     """The registered methods among ``methods`` that size their trees by cost when asked to."""
     return [m for m in methods if m in METHODS and METHODS[m].cost_options is not None]
+
+
+def uses_cost(method: str, mode: str = COST_AWARE_DEFAULT) -> bool:
+    """Whether ``method`` sizes its trees by cost under ``--cost-aware mode`` (auto, on, off)."""
+    if mode not in COST_AWARE_MODES:
+        raise SpecstoreError(f"cost-aware must be one of {', '.join(COST_AWARE_MODES)}, got {mode!r}")
+    spec = METHODS.get(method)
+    if spec is None or spec.cost_options is None or mode == "off":
+        return False
+    return mode == "on" or spec.cost_default
 
 
 def make_drafter(method: str, datastore=None, *, cost=None, **options) -> Drafter:
