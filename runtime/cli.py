@@ -132,6 +132,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=registry.COST_AWARE_MODES,
+                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
     registry.add_cli_options(p)  # each method's own options (ReSpec's: drafters/respec_cli.py)
     p.set_defaults(handler=_cmd_generate)
 
@@ -156,13 +159,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE", help="drafter option, e.g. rest.max_nodes=32 (repeatable)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON result here")
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=[*registry.COST_AWARE_MODES, "both"],
+                   help=registry.COST_AWARE_HELP + f"; both: run each such method both ways, the cost-aware one as METHOD+cost "
+                   f"(default {registry.COST_AWARE_DEFAULT})")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
     p.set_defaults(handler=_cmd_bench)
 
     p = sub.add_parser(
         "simulate",
-        help="model-free MAT from stored ar references (sweep draft shapes in seconds)",
+        help="model-free MAT and predicted speedup from stored ar references (sweep draft shapes in seconds)",
         description="Replay greedy ar references from a bench result: under greedy verification the accepted length "
-        "follows from the reference alone, so MAT for any drafter setting is computed without decoding.",
+        "follows from the reference alone, so MAT for any drafter setting is computed without decoding. The predicted "
+        "speedup over ar adds the measured verification cost of each replayed tree (runtime/cost.py, for --dtype on this "
+        "machine) and the replayed drafting time; --sweep rows are ranked by it.",
     )
     _add_store(p)
     p.add_argument("--datastore", default=None, metavar="REF")
@@ -171,6 +180,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE")
     p.add_argument("--sweep", action="append", default=[], metavar="METHOD.KEY=V1,V2,...", help="try several values of one option")
     p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="dtype whose verification cost predicts the speed (the bench's; default bfloat16)")
+    p.add_argument("--device", default="auto", help="device whose verification cost predicts the speed (default auto)")
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=registry.COST_AWARE_MODES,
+                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cmd_simulate)
 
@@ -207,6 +221,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="for requests that do not say (default: a fresh seed per request)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=registry.COST_AWARE_MODES,
+                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
     registry.add_cli_options(p)  # each method's own options, as for generate
     p.set_defaults(handler=_cmd_serve)
     return parser

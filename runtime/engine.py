@@ -101,14 +101,18 @@ class Engine:
     each served request to (off when None). ``verify``: hash every file of a version when it is
     opened (off: opening checks sizes and headers only; ``specstore verify`` hashes).
     ``overlay``: learn from what is served (module docstring): True for a ServedOverlay with its
-    defaults, or one to use; None or False: off.
+    defaults, or one to use; None or False: off. ``cost``: a cost.CostModel: the methods that
+    ``cost_aware`` (auto, on, off: registry.uses_cost) selects size their trees by it
+    (drafters/cost_aware.py), one calibration per method kept across requests; None: fixed caps.
     """
 
     def __init__(self, loaded, store: Store | str | None = None, datastores: str | Sequence[str] | None = (), *,
                  method: str = "rest", drafter_options: Mapping[str, Mapping] | None = None, dense: bool | None = None,
                  verify: bool = False, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
-                 overlay: bool | ServedOverlay | None = False, clock: Callable[[], float] = time.monotonic):
+                 overlay: bool | ServedOverlay | None = False, clock: Callable[[], float] = time.monotonic, cost=None,
+                 cost_aware: str = "on"):
         self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, getattr(loaded, "info", None)
+        self.cost, self.cost_aware, self._calibrators = cost, cost_aware, {}
         self.device = next(self.model.parameters()).device
         refs = split_references(datastores)
         if refs and store is None:
@@ -237,7 +241,12 @@ class Engine:
         options = dict(self.drafter_options.get(method, {}))
         if self.overlay is not None and registry.method_info(method).overlay:
             options["overlay"] = self.overlay
-        return registry.make_drafter(method, datastore, **options)
+        cost = self.cost if registry.uses_cost(method, self.cost_aware) else None
+        drafter = registry.make_drafter(method, datastore, cost=cost, **options)
+        calibrator = getattr(drafter, "calibrator", None)
+        if calibrator is not None:  # cost-aware: what earlier requests taught carries over
+            drafter.calibrator = self._calibrators.setdefault(method, calibrator)
+        return drafter
 
     def generate(self, prompt: str | Sequence, *, method: str | None = None, datastore: str | None = None,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,

@@ -63,12 +63,22 @@ def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> t
     return 0, np.zeros(0, dtype=np.int64)
 
 
-def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: int, min_ngram: int = 1) -> list[Continuation]:
+def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: int, min_ngram: int = 1, *,
+                          full_first: bool = True) -> list[Continuation]:
     """Up to ``num`` distinct continuations (at most ``length`` tokens) of the longest matching
-    suffix n-gram, the most recent occurrence first."""
+    suffix n-gram: those with a full ``length`` tokens first, the most recent first, then the
+    ones cut by the context's end, longest first. Prompt lookup's rule (drafters/pld.py): in a
+    repetitive stream the most recent occurrence ends just before the end of the context and
+    would draft one token, where an earlier one drafts the whole run. ``full_first=False``: the
+    most recent first, whatever their length (the order before 2026-12-01)."""
     _, starts = context_matches(tokens, max_ngram, min_ngram)
+    size = len(tokens)
+    if full_first:
+        order = sorted(starts.tolist(), key=lambda s: (-min(size - s, length), -s))
+    else:
+        order = starts[::-1].tolist()
     out, seen = [], set()
-    for start in starts[::-1].tolist():
+    for start in order:
         draft = tokens[start : start + length].tolist()
         if tuple(draft) in seen:
             continue

@@ -41,6 +41,9 @@ class Summary(BaseModel):
     acceptance_rate: float = Field(description="accepted draft tokens / drafted tokens")
     tokens_per_s: float
     speedup_vs_ar: float | None = Field(description="ar wall time / this method's wall time on the same prompts")
+    speedup_ci: tuple[float, float] | None = Field(
+        None, description="bootstrap interval of speedup_vs_ar over prompts (paired, percentile; older files: absent)")
+    speedup_ci_level: float | None = Field(None, description="its coverage, e.g. 0.95")
     drafting_share: float
     retrieval_ms_median: float | None = None
     accepted_length_histogram: dict[int, int] = Field(default_factory=dict, description="accepted draft tokens per decode step")
@@ -72,3 +75,4 @@ class BenchResult(BaseModel):
     temperature: float
     methods: dict[str, MethodResult]
     prompts: list[PromptRecord] = Field(default_factory=list)
+    cost_model: dict | None = Field(None, description="the verification cost model the cost-aware drafters used (runtime/cost.py)")

@@ -9,12 +9,16 @@ import pytest
 from specstore.runtime.bench.report import report
 from specstore.runtime.bench.runner import parse_options, run_bench
 from specstore.runtime.bench.simulate import references_from, simulate
+from specstore.runtime.cost import CostModel
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
 from tests.helpers import make_tiny_model
 
+# a CPU-like verification cost: 1.05x a plain step at 1 node, 1.3x at 8, 3x at 64
+COST = CostModel([0, 1, 8, 64], [0], [[0.01, 0.0105, 0.013, 0.03]], {"test": True})
+AWARE = ["pld+cost", "rest+cost", "dresd+cost", "respec+cost"]
 PROMPTS = ["def add(a, b):", "Name three colours.", "Write a haiku about rain.", "Sort a list in Python."]
 
 
@@ -36,27 +40,33 @@ def bench_setup(tmp_path_factory):
                                  for i, p in enumerate(PROMPTS)))
     result = run_bench(store=str(folder / "store"), datastore="code", questions=str(questions),
                        methods=["pld", "rest", "dresd", "respec", "hf"], turns=2, max_new_tokens=24, model=str(model),
-                       dtype="float32", device="cpu", progress=False)
+                       dtype="float32", device="cpu", progress=False, cost_aware="both", cost=COST)
     return folder, model, loaded, result
 
 
 def test_bench_result_contract(bench_setup, tmp_path):
     folder, _, _, result = bench_setup
-    assert list(result.methods) == ["ar", "pld", "rest", "dresd", "respec", "hf"]
+    assert list(result.methods) == ["ar", "pld", "pld+cost", "rest", "rest+cost", "dresd", "dresd+cost", "respec",
+                                    "respec+cost", "hf"]
+    assert CostModel.from_json(result.cost_model).seconds == COST.seconds
     for name, m in result.methods.items():
+        lo, hi = m.speedup_ci
+        assert lo <= m.speedup_vs_ar <= hi and m.speedup_ci_level == 0.95
         assert m.mat >= 1.0 and 0.0 <= m.acceptance_rate <= 1.0 and m.tokens_per_s > 0 and m.speedup_vs_ar > 0
         assert 0.0 <= m.drafting_share < 1.0 and m.lossless is True
         assert set(m.per_category) == {"a", "b"}
         assert m.num_prompts == len(PROMPTS) * 2  # both turns
         if name != "ar":
-            assert m.identical_to_ar is True, name  # float32 greedy: every lossless method equals ar
+            assert m.identical_to_ar is True, name  # float32 greedy: every lossless method equals ar, cost-aware too
     assert result.methods["ar"].mat == 1.0
     assert result.methods["rest"].mat > 1.0 and result.methods["dresd"].mat > 1.0
     assert result.datastore == "code@1" and len(result.manifest_sha256) == 64
     out = tmp_path / "r.json"
     out.write_text(result.model_dump_json())
     md = report([str(out)], tmp_path / "plots")
-    assert "| rest |" in md and (tmp_path / "plots" / "r_mat_speedup.png").is_file()
+    assert "| rest |" in md and "| rest+cost |" in md and (tmp_path / "plots" / "r_mat_speedup.png").is_file()
+    lo, hi = result.methods["rest+cost"].speedup_ci
+    assert f"{result.methods['rest+cost'].speedup_vs_ar:.2f}x [{lo:.2f}, {hi:.2f}]" in md
 
 
 def test_simulator_reproduces_bench_mat(bench_setup):
@@ -64,23 +74,29 @@ def test_simulator_reproduces_bench_mat(bench_setup):
     refs = references_from(result)
     assert len(refs) == len(PROMPTS) * 2
     ds = Datastore.open(folder / "store", "code", loaded.info)
-    for method in ("pld", "rest", "dresd", "respec"):
-        sims = simulate(lambda m=method: make_drafter(m, datastore=ds), refs, result.max_new_tokens, loaded.model)
-        recs = [r for r in result.prompts if r.method == method]
-        assert [s.accepted_per_step for s in sims] == [r.accepted_per_step for r in recs], method
+    cost = CostModel.from_json(result.cost_model)
+    for label in ("pld", "rest", "dresd", "respec", *AWARE):
+        method, aware = label.removesuffix("+cost"), label.endswith("+cost")
+        sims = simulate(lambda m=method, c=cost if aware else None: make_drafter(m, datastore=ds, cost=c), refs,
+                        result.max_new_tokens, loaded.model)
+        recs = [r for r in result.prompts if r.method == label]
+        assert [s.accepted_per_step for s in sims] == [r.accepted_per_step for r in recs], label
         sim_mat = sum(s.num_tokens for s in sims) / sum(s.steps for s in sims)
-        assert sim_mat == pytest.approx(result.methods[method].mat, abs=1e-12), method
+        assert sim_mat == pytest.approx(result.methods[label].mat, abs=1e-12), label
 
 
-def test_bench_command_end_to_end(bench_setup, tmp_path, capsys):
+def test_bench_command_end_to_end(bench_setup, tmp_path, capsys, monkeypatch):
     from specstore.runtime.bench.report import load_result
     from specstore.runtime.cli import main
+
+    monkeypatch.setenv("SPECSTORE_CACHE", str(tmp_path / "cache"))  # the cost model is measured there
 
     folder, model, _, _ = bench_setup
     out = tmp_path / "bench.json"
     code = main(["bench", "--store", str(folder / "store"), "--datastore", "code", "--questions", str(folder / "questions.jsonl"),
                  "--methods", "pld,rest,respec", "--limit", "2", "--max-new-tokens", "12", "--model", str(model),
-                 "--dtype", "float32", "--device", "cpu", "--option", "rest.max_nodes=8", "--out", str(out)])
+                 "--dtype", "float32", "--device", "cpu", "--option", "rest.max_nodes=8", "--cost-aware", "on",
+                 "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0 and "| respec |" in printed and f"wrote {out}" in printed
     result = load_result(str(out))
@@ -88,6 +104,8 @@ def test_bench_command_end_to_end(bench_setup, tmp_path, capsys):
     assert all(m.identical_to_ar for name, m in result.methods.items() if name != "ar")
     assert all(m.num_prompts == 2 for m in result.methods.values()) and result.max_new_tokens == 12
     assert all(r.num_drafted <= 8 * (r.steps - 1) for r in result.prompts if r.method == "rest")  # --option reached rest
+    assert len(list((tmp_path / "cache" / "cost").glob("*.json"))) == 1  # measured once for the tiny model, cached
+    assert CostModel.from_json(result.cost_model).key["dtype"] == "float32"
     # a method that needs a datastore, without one: one clear error line, before any model loads
     code = main(["bench", "--store", str(folder / "store"), "--questions", str(folder / "questions.jsonl"),
                  "--methods", "rest", "--model", str(model)])
@@ -102,24 +120,36 @@ def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
     refs.write_text(result.model_dump_json())
     code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
                  "--methods", "pld,rest,respec", "--sweep", "rest.max_nodes=4,64", "--sweep", "respec.max_candidates=1,3",
-                 "--option", "pld.num_draft_tokens=10", "--model", str(model), "--json"])
+                 "--option", "pld.num_draft_tokens=10", "--model", str(model), "--cost-aware", "off", "--json"])
     out = capsys.readouterr().out
     assert code == 0
     rows = json.loads(out)
-    assert [(r["method"], r["options"]) for r in rows] == [
-        ("pld", {"num_draft_tokens": 10}), ("rest", {"max_nodes": 4}), ("rest", {"max_nodes": 64}),
-        ("respec", {"max_candidates": 1}), ("respec", {"max_candidates": 3})]
+    assert sorted((r["method"], json.dumps(r["options"])) for r in rows) == [
+        ("pld", '{"num_draft_tokens": 10}'), ("respec", '{"max_candidates": 1}'), ("respec", '{"max_candidates": 3}'),
+        ("rest", '{"max_nodes": 4}'), ("rest", '{"max_nodes": 64}')]
+    assert [r["method"] for r in rows] == ["pld", "rest", "rest", "respec", "respec"]
+    for method in ("rest", "respec"):  # a sweep is ranked by predicted speedup
+        group = [r for r in rows if r["method"] == method]
+        assert [r["rank"] for r in group] == [1, 2] and group[0]["predicted_speedup"] >= group[1]["predicted_speedup"] > 0
     mat = {(r["method"], json.dumps(r["options"])): r["mat"] for r in rows}
     # the settings the bench ran with (the defaults) reproduce its MAT exactly
     assert mat[("pld", '{"num_draft_tokens": 10}')] == pytest.approx(result.methods["pld"].mat, abs=1e-12)
     assert mat[("rest", '{"max_nodes": 64}')] == pytest.approx(result.methods["rest"].mat, abs=1e-12)
     assert mat[("respec", '{"max_candidates": 3}')] == pytest.approx(result.methods["respec"].mat, abs=1e-12)
     assert all(r["num_prompts"] == len(PROMPTS) * 2 and r["drafted_per_step"] >= 0 for r in rows)
-    assert rows[1]["drafted_per_step"] <= 4 < rows[2]["drafted_per_step"]  # the swept option reached the drafter
+    shapes = {json.dumps(r["options"]): r["drafted_per_step"] for r in rows if r["method"] == "rest"}
+    assert shapes['{"max_nodes": 4}'] <= 4 < shapes['{"max_nodes": 64}']  # the swept option reached the drafter
     code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
                  "--methods", "pld", "--sweep", "pld.num_draft_tokens=2,4"])
     table = capsys.readouterr().out
-    assert code == 0 and table.count("| pld |") == 2
+    assert code == 0 and table.count("| pld |") == 2 and "predicted speedup vs ar" in table
+    # cost-aware, with the cost model the bench stored: the bench's +cost MAT again
+    code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
+                 "--methods", "pld,rest,dresd,respec", "--model", str(model), "--cost-aware", "on", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and all(r["cost_aware"] for r in rows)
+    for r in rows:
+        assert r["mat"] == pytest.approx(result.methods[r["method"] + "+cost"].mat, abs=1e-12), r["method"]
 
 
 def test_option_parsing_and_errors():

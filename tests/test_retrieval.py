@@ -51,12 +51,19 @@ def test_context_matches_finds_the_longest_suffix_ngram_earlier():
     assert n == 2 and starts.tolist() == [2, 3]  # overlapping occurrences, each with a following token
 
 
-def test_context_continuations_most_recent_first_and_distinct():
+def test_context_continuations_full_length_most_recent_first_and_distinct():
     tokens = np.array([4, 5, 6, 4, 5, 6, 4, 7, 8, 4])
     found = context_continuations(tokens, length=2, num=5, max_ngram=1)
     assert [(c.offset, c.tokens) for c in found] == [(7, [7, 8]), (4, [5, 6])]  # offset 1 repeats [5, 6]
     assert [c.tokens for c in context_continuations(tokens, length=2, num=1, max_ngram=1)] == [[7, 8]]
-    assert [c.tokens for c in context_continuations(tokens, length=9, num=1, max_ngram=1)] == [[7, 8, 4]]  # cut at the end
+    # the recent occurrences are cut by the context's end (3 and 6 tokens): the full one comes first
+    found = context_continuations(tokens, length=9, num=3, max_ngram=1)
+    assert [c.tokens for c in found] == [[5, 6, 4, 5, 6, 4, 7, 8, 4], [5, 6, 4, 7, 8, 4], [7, 8, 4]]
+    recent = context_continuations(tokens, length=9, num=3, max_ngram=1, full_first=False)
+    assert [c.tokens for c in recent] == [[7, 8, 4], [5, 6, 4, 7, 8, 4], [5, 6, 4, 5, 6, 4, 7, 8, 4]]
+    # a repetitive stream: the latest occurrence drafts one token, the run's start all of them
+    run = np.array([9, 7, 7, 7, 7, 7, 7, 7])
+    assert context_continuations(run, length=4, num=1, max_ngram=2)[0].tokens == [7, 7, 7, 7]
     assert context_continuations(np.array([1, 2, 3]), 4, 2, 3) == []
 
 

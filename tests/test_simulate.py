@@ -82,3 +82,24 @@ def test_a_lossy_acceptance_rule_cannot_be_replayed():
     replay.prefill([1, 2])
     with pytest.raises(SpecstoreError, match="cannot be replayed"):
         replay.step(3, DraftTree.chain([4]), acceptance=lambda logits, tree, sampling: ([], 0, []))
+
+
+def test_predicted_speedup_prices_each_replayed_tree():
+    """Each replayed verification is priced at its tree size and context; ar pays one 0-node
+    forward per token after the first; drafting time is added to the method's side."""
+    from specstore.runtime.bench.simulate import predicted_seconds, predicted_speedup, replay_one
+    from specstore.runtime.cost import CostModel
+
+    model, _ = tiny_lm()
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    ar = decode(model, prompt, make_drafter("ar"), 24, Sampling())
+    rep = replay_one(OracleDrafter(ar.token_ids + [7] * 20, model.config.vocab_size, seed=2), Reference(prompt, ar.token_ids), 24, None)
+    sizes = [n for n, _ in rep.trees]
+    assert len(rep.trees) == rep.stats.steps - 1 and [c for _, c in rep.trees][0] == len(prompt)
+    per_node = CostModel([0, 10], [0], [[1.0, 2.0]], {})  # 1 s + 0.1 s per node, any context
+    method, ar_s = predicted_seconds([rep], per_node)
+    assert ar_s == pytest.approx(len(ar.token_ids) - 1)
+    assert method == pytest.approx(sum(1.0 + 0.1 * n for n in sizes) + rep.stats.drafting_s)
+    assert predicted_speedup([rep], per_node) == pytest.approx(ar_s / method)
+    flat, _ = predicted_seconds([rep], CostModel.flat())
+    assert flat - rep.stats.drafting_s == pytest.approx(rep.stats.steps - 1)  # flat costs: forwards only

@@ -23,6 +23,14 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _speedup(m) -> str:
+    """``1.23x [1.10, 1.35]``: the speedup and its bootstrap interval (absent in older files)."""
+    text = f"{_fmt(m.speedup_vs_ar)}x"
+    if m.speedup_vs_ar is not None and m.speedup_ci is not None:
+        text += f" [{m.speedup_ci[0]:.2f}, {m.speedup_ci[1]:.2f}]"
+    return text
+
+
 def markdown_table(result: BenchResult, title: str) -> str:
     lines = [
         f"### {title}",
@@ -31,7 +39,7 @@ def markdown_table(result: BenchResult, title: str) -> str:
         f"{result.max_new_tokens} new tokens, temperature {result.temperature}, torch {result.torch_version}, "
         f"transformers {result.transformers_version}",
         "",
-        "| method | MAT | acceptance | tokens/s | speedup vs ar | drafting share | retrieval ms (median) | identical to ar |",
+        "| method | MAT | acceptance | tokens/s | speedup vs ar (bootstrap interval over prompts) | drafting share | retrieval ms (median) | identical to ar |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in result.methods.items():
@@ -39,7 +47,7 @@ def markdown_table(result: BenchResult, title: str) -> str:
         if not m.lossless:  # e.g. respec with relaxed verification: the output may differ from ar
             name = f"{name} (LOSSY, {m.num_relaxed} relaxed)"
         lines.append(
-            f"| {name} | {m.mat:.2f} | {m.acceptance_rate:.1%} | {m.tokens_per_s:.1f} | {_fmt(m.speedup_vs_ar)}x "
+            f"| {name} | {m.mat:.2f} | {m.acceptance_rate:.1%} | {m.tokens_per_s:.1f} | {_speedup(m)} "
             f"| {m.drafting_share:.1%} | {_fmt(m.retrieval_ms_median, '.3f')} | {ident} |"
         )
     categories = sorted({c for m in result.methods.values() for c in m.per_category})

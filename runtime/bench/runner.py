@@ -26,7 +26,15 @@ from specstore.runtime.api import generate, prompt_ids
 from specstore.runtime.bench.metrics import first_difference, summarise
 from specstore.runtime.bench.questions import Question, load_questions
 from specstore.runtime.datastore import Datastore
-from specstore.runtime.drafters.registry import check_index, datastore_methods, make_drafter, needs_dense
+from specstore.runtime.drafters.registry import (
+    COST_AWARE_DEFAULT,
+    check_index,
+    cost_aware_methods,
+    datastore_methods,
+    make_drafter,
+    needs_dense,
+    uses_cost,
+)
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.models import load_model
 from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord
@@ -53,8 +61,8 @@ def parse_options(items: list[str]) -> dict[str, dict]:
 class TimedDrafter:
     """Wraps a drafter to record each ``propose`` latency (the retrieval latency per step)."""
 
-    def __init__(self, inner):
-        self.inner, self.name, self.lossless = inner, inner.name, getattr(inner, "lossless", True)
+    def __init__(self, inner, name: str | None = None):
+        self.inner, self.name, self.lossless = inner, name or inner.name, getattr(inner, "lossless", True)
         self.latencies_ms: list[float] = []
 
     @property
@@ -123,6 +131,28 @@ def _spread(tokens: int, steps: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
+COST_AWARE_MODES = ("auto", "on", "off", "both")
+COST_SUFFIX = "+cost"  # with --cost-aware both: the cost-aware variant's label
+
+
+def drafter_labels(methods: list[str], cost_aware: str) -> dict[str, tuple[str, bool]]:
+    """Label -> (method, cost-aware?) in run order (auto/on/off: registry.uses_cost); ``both``
+    runs each method that supports it twice, as ``METHOD`` (fixed caps) and ``METHOD+cost``."""
+    if cost_aware not in COST_AWARE_MODES:
+        raise SpecstoreError(f"--cost-aware must be one of {', '.join(COST_AWARE_MODES)}, got {cost_aware!r}")
+    aware = set(cost_aware_methods(methods))
+    labels: dict[str, tuple[str, bool]] = {}
+    for m in methods:
+        if cost_aware != "both":
+            labels[m] = (m, uses_cost(m, cost_aware))
+        elif m not in aware:
+            labels[m] = (m, False)
+        else:
+            labels[m] = (m, False)
+            labels[m + COST_SUFFIX] = (m, True)
+    return labels
+
+
 def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, temperature, seed, meta) -> Outcome:
     start = time.perf_counter()
     res = generate(model, tokenizer, ids, drafter=drafter, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -139,7 +169,11 @@ def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, te
 def run_bench(*, store, datastore: str | None, questions: str, methods: list[str], limit=None, skip=0,
               turns: int = 1, max_new_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
               dtype: str = "bfloat16", device: str = "auto", options: dict | None = None,
-              progress: bool = True, command: str = "") -> BenchResult:
+              progress: bool = True, command: str = "", cost_aware: str = COST_AWARE_DEFAULT, refresh_cost: bool = False,
+              cost=None) -> BenchResult:
+    """``cost_aware``: on, off or both (module cost_aware.py; ``both`` runs each cost-aware method
+    with and without, side by side); ``cost``: a ready cost.CostModel (else the cached one of the
+    loaded model, measured when missing or ``refresh_cost``)."""
     options = options or {}
     methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs, first: it is the reference
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
@@ -158,7 +192,14 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     if with_datastore:
         ds = Datastore.open(store, datastore, model_info=lm.info, dense=needs_dense(methods),
                             device=next(lm.model.parameters()).device)
-    drafters = {m: TimedDrafter(make_drafter(m, datastore=ds, **options.get(m, {}))) for m in methods if m not in HF_METHODS}
+    labels = drafter_labels(methods, cost_aware)
+    if cost is None and any(aware for _, aware in labels.values()):
+        from specstore.runtime.cost import load_cost_model
+
+        cost = load_cost_model(lm.model, lm.info, refresh=refresh_cost, quiet=not progress)
+    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=cost if aware else None, **options.get(m, {})), label)
+                for label, (m, aware) in labels.items() if m not in HF_METHODS}
+    methods = list(labels)
     lossless = {m: (True if m in HF_METHODS else bool(getattr(drafters[m], "lossless", True))) for m in methods}
 
     # warm-up: first calls pay one-off costs (allocations, lazy imports) that are not decoding speed
@@ -224,6 +265,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
         temperature=temperature,
         methods=results,
         prompts=records,
+        cost_model=cost.to_json() if cost is not None and any(aware for _, aware in labels.values()) else None,
     )
 
 
@@ -240,8 +282,8 @@ def run_bench_command(args) -> int:
     result = run_bench(store=Store.from_args(args), datastore=args.datastore, questions=args.questions, methods=methods,
                        limit=args.limit, skip=args.skip, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, model=args.model, dtype=args.dtype, device=args.device,
-                       options=parse_options(args.option), progress=True,
-                       command="specstore " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+                       options=parse_options(args.option), progress=True, cost_aware=args.cost_aware,
+                       refresh_cost=args.refresh_cost, command="specstore " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     from specstore.runtime.bench.report import markdown_table
 
     print(markdown_table(result, "bench"))

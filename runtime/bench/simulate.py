@@ -17,11 +17,18 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specstore.runtime.bench.runner import parse_options
 from specstore.runtime.decode import DecodeStats, context_limit, decode
-from specstore.runtime.drafters.registry import datastore_methods, make_drafter, needs_dense, needs_states
+from specstore.runtime.drafters.registry import (
+    datastore_methods,
+    make_drafter,
+    needs_dense,
+    needs_states,
+    uses_cost,
+)
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.sampling import children_lists
@@ -63,6 +70,7 @@ class ReplayVerifier:
         self.full = [*ref.prompt_ids, *ref.output_ids]
         self.states = states
         self.num_done = 0  # tokens of ``full`` committed so far
+        self.trees: list[tuple[int, int]] = []  # per step: (tree nodes, cached tokens before the forward)
 
     def _at(self, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None, None) if self.states is None else (self.states[0][position], self.states[1][position])
@@ -75,6 +83,7 @@ class ReplayVerifier:
         if acceptance is not None:
             raise SpecstoreError("a drafter's own acceptance rule (respec relaxed=on) cannot be replayed: simulate strict drafters")
         assert self.num_done < len(self.full), "the replay ran past its reference"
+        self.trees.append((len(tree), self.num_done - 1))
         accepted, bonus = greedy_walk(tree, self.full[self.num_done :])
         last = self.num_done - 1 + len(accepted)  # the last token the target would have processed
         self.num_done += len(accepted) + 1
@@ -87,12 +96,50 @@ def simulate_one(drafter, ref: Reference, max_new_tokens: int, context: int | No
     """Replay one reference through ``decode``. Stops where ar stopped: at ``max_new_tokens``,
     at the ``context`` limit (None: none), or on the reference's last token when it ended
     earlier (an EOS: ar never emits one before it stops on it)."""
+    return replay_one(drafter, ref, max_new_tokens, context, states).stats
+
+
+@dataclass(slots=True)
+class Replay:
+    stats: DecodeStats
+    trees: list[tuple[int, int]]  # per verification: (tree nodes, cached tokens)
+    prompt_len: int
+
+
+def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None,
+               states: tuple[torch.Tensor, torch.Tensor] | None = None) -> Replay:
+    """``simulate_one`` with each verification's tree size and context (for the speed prediction)."""
     out, done = ref.output_ids, len(ref.prompt_ids) + len(ref.output_ids)
     if not out:
-        return DecodeStats()
+        return Replay(DecodeStats(), [], len(ref.prompt_ids))
     ended_early = len(out) < max_new_tokens and (context is None or done < context)
     eos = (out[-1],) if ended_early else ()
-    return decode(ReplayVerifier(ref, states), ref.prompt_ids, drafter, max_new_tokens, eos_ids=eos, context=context).stats
+    verifier = ReplayVerifier(ref, states)
+    stats = decode(verifier, ref.prompt_ids, drafter, max_new_tokens, eos_ids=eos, context=context).stats
+    return Replay(stats, verifier.trees, len(ref.prompt_ids))
+
+
+def predicted_seconds(replays: list[Replay], cost) -> tuple[float, float]:
+    """(seconds the replayed method would take, seconds ar would take) on the same references,
+    prefills left out: each verification priced by ``cost`` at its tree size and context, plus
+    the replayed drafting time; ar one 0-node forward per token after the first."""
+    method = ar = 0.0
+    for r in replays:
+        if not r.trees:
+            continue
+        nodes = np.array([n for n, _ in r.trees])
+        ctx = np.array([c for _, c in r.trees])
+        method += float(sum(cost.seconds_for(int(n), int(c)) for n, c in zip(nodes, ctx, strict=True)))
+        method += r.stats.drafting_s
+        ar_ctx = r.prompt_len + np.arange(r.stats.num_tokens - 1)  # ar: one forward per later token
+        ar += float(sum(cost.seconds_for(0, int(c)) for c in ar_ctx))
+    return method, ar
+
+
+def predicted_speedup(replays: list[Replay], cost) -> float | None:
+    """Predicted speedup over ar (``predicted_seconds``); None when nothing was decoded."""
+    method, ar = predicted_seconds(replays, cost)
+    return ar / method if method > 0 else None
 
 
 @torch.inference_mode()
@@ -106,10 +153,16 @@ def simulate(make: Callable[[], object], refs: list[Reference], max_new_tokens: 
              context: int | None = None) -> list[DecodeStats]:
     """Replay every reference with one drafter from ``make``. ``model``: computes the states
     (hidden, logits) drafters read; ``context``: the target's limit (default: ``model``'s)."""
+    return [r.stats for r in replay(make, refs, max_new_tokens, model, context)]
+
+
+def replay(make: Callable[[], object], refs: list[Reference], max_new_tokens: int, model=None,
+           context: int | None = None) -> list[Replay]:
+    """``simulate`` with each verification's tree size and context."""
     drafter = make()
     if context is None and model is not None:
         context = context_limit(model)
-    return [simulate_one(drafter, r, max_new_tokens, context, reference_states(model, r) if model is not None else None)
+    return [replay_one(drafter, r, max_new_tokens, context, reference_states(model, r) if model is not None else None)
             for r in refs]
 
 
@@ -126,6 +179,22 @@ def _value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def bench_cost_model(bench: BenchResult, args):
+    """The cost model the bench's cost-aware drafters used (stored in its result), so that the
+    replay prunes as the bench did; else (or with --refresh-cost) the cached one of the model
+    as the bench runs it (--dtype, --device), measured when missing."""
+    from specstore.runtime.cost import CostModel, load_cost_model
+    from specstore.runtime.models import load_model
+
+    if bench.cost_model is not None and not args.refresh_cost:
+        try:
+            return CostModel.from_json(bench.cost_model)
+        except (ValueError, KeyError, TypeError):
+            pass
+    timed = load_model(args.model, dtype=args.dtype, device=args.device)
+    return load_cost_model(timed.model, timed.info, refresh=args.refresh_cost, quiet=args.json)
 
 
 def run_simulate_command(args) -> int:
@@ -148,23 +217,37 @@ def run_simulate_command(args) -> int:
         from specstore.runtime.store import Store
 
         ds = Datastore.open(Store.from_args(args), args.datastore, model_info=lm.info, dense=needs_dense(methods))
+    cost = bench_cost_model(bench, args)
     rows = []
     for m in methods:
         grid = sweeps.get(m, {})
         keys = sorted(grid)
         values = [v if isinstance(v, list) else [v] for v in (grid[k] for k in keys)]
+        group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
-            sims = simulate(lambda m=m, opts=opts: make_drafter(m, datastore=ds, **opts), refs, bench.max_new_tokens,
-                            lm.model if need_states else None, context_limit(lm.model) if lm is not None else None)
+            with_cost = cost if uses_cost(m, args.cost_aware) else None
+            reps = replay(lambda m=m, opts=opts, c=with_cost: make_drafter(m, datastore=ds, cost=c, **opts), refs,
+                          bench.max_new_tokens, lm.model if need_states else None,
+                          context_limit(lm.model) if lm is not None else None)
+            sims = [r.stats for r in reps]
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
             drafted = sum(s.num_drafted for s in sims)
-            rows.append({"method": m, "options": opts, "mat": tokens / steps if steps else 0.0,
-                         "drafted_per_step": drafted / max(steps - len(sims), 1), "num_prompts": len(sims)})
+            group.append({"method": m, "options": opts, "cost_aware": with_cost is not None,
+                          "mat": tokens / steps if steps else 0.0,
+                          "drafted_per_step": drafted / max(steps - len(sims), 1),
+                          "predicted_speedup": predicted_speedup(reps, cost), "num_prompts": len(sims)})
+        group.sort(key=lambda r: -(r["predicted_speedup"] or 0.0))  # a sweep: best predicted shape first
+        for rank, r in enumerate(group, start=1):
+            r["rank"] = rank
+        rows += group
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print("| method | options | MAT | drafted tokens per step |\n|---|---|---|---|")
+        print("| method | options | cost-aware | MAT | drafted tokens per step | predicted speedup vs ar | rank |\n"
+              "|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['method']} | {json.dumps(r['options'])} | {r['mat']:.3f} | {r['drafted_per_step']:.1f} |")
+            pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
+            print(f"| {r['method']} | {json.dumps(r['options'])} | {'on' if r['cost_aware'] else 'off'} | {r['mat']:.3f} "
+                  f"| {r['drafted_per_step']:.1f} | {pred} | {r['rank']} |")
     return 0

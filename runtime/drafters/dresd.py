@@ -5,7 +5,7 @@ Owns the DReSD algorithm over retrieval.py's dense source: the query is ``state.
 datastore's own normaliser; the ``k`` nearest datastore positions whose stored next token equals
 the pending token ``tokens[-1]`` (the paper drops neighbours whose first token disagrees with the
 model's choice); their remaining continuations, best neighbour first, merged into one trie
-capped at ``max_nodes``. Does not own the search (dense.py) or the normaliser (normaliser.py).
+capped at ``max_nodes``; per node the cost-aware signal (neighbour agreement). Does not own the search (dense.py) or the normaliser (normaliser.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,28 @@ class DresdConfig:
     k: int = 10  # neighbours per step (after the next-token filter)
     max_nodes: int = 64  # trie size cap
     draft_length: int = 9  # tokens drafted per neighbour after the pending one (continuation L - 1)
+
+
+SHARE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.99)  # share of the drafts through a node
+RANK_EDGES = (1, 3)  # rank of the nearest neighbour whose draft passes through it
+
+
+def add_signals(tree: DraftTree) -> None:
+    """The cost-aware signal (drafters/cost_aware.py) from neighbour agreement: ``bucket`` from
+    the share of the drafts (neighbours) passing through a node and the best rank among them;
+    ``prior`` that share."""
+    from specstore.runtime.drafters.cost_aware import bucketize
+
+    n = len(tree)
+    through, best = np.zeros(n), np.full(n, np.inf)
+    for rank, path in enumerate(tree.paths):
+        for node in path:
+            through[node] += 1
+            best[node] = min(best[node], rank)
+    share = through / max(len(tree.paths), 1)
+    best = np.where(np.isfinite(best), best, len(tree.paths))
+    tree.node_data["bucket"] = bucketize(share, SHARE_EDGES) * (len(RANK_EDGES) + 1) + bucketize(best, RANK_EDGES)
+    tree.node_data["prior"] = share
 
 
 class DresdDrafter:
@@ -62,6 +84,7 @@ class DresdDrafter:
         drafts = self.source.drafts(found, length)
         tree = DraftTree.from_paths((d.tokens for d in drafts), max_nodes=cfg.max_nodes)
         tree.meta["num_neighbours"] = len(found)
+        add_signals(tree)
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:

@@ -5,7 +5,8 @@ down to ``min_ngram`` tokens) found earlier in the context; the most recent occu
 full continuation wins (else the earliest, whose continuation is the longest: in a repetitive
 stream the most recent occurrence is the previous token and would draft only one), and the
 tokens that followed it (at most ``num_draft_tokens``, and never more than the decode budget)
-become one chain. Deterministic, model-free, no state between steps.
+become one chain. Deterministic, model-free, no state between steps. Each node's cost-aware
+signal (``node_data["bucket"]``) is the matched n-gram's length.
 
 Given the engine's served overlay (overlay.py), a context suffix found there longer than the
 context's own match (up to ``overlay_max_span`` tokens) drafts instead, by the same rule: the
@@ -29,17 +30,24 @@ from specstore.runtime.verify import VerifyResult
 def lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, num_draft_tokens: int) -> list[int]:
     """Continuation of the most recent earlier match (with a full continuation) of the longest
     matching suffix n-gram."""
-    return _lookup(tokens, max_ngram, min_ngram, num_draft_tokens)[1]
+    return lookup_match(tokens, max_ngram, min_ngram, num_draft_tokens)[1]
 
 
-def _lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, num_draft_tokens: int) -> tuple[int, list[int]]:
-    """``(match length, draft)`` of ``lookup``."""
+def lookup_match(tokens: np.ndarray, max_ngram: int, min_ngram: int, num_draft_tokens: int) -> tuple[int, list[int]]:
+    """``lookup`` and the matched n-gram's length (0 when nothing matched)."""
     n, starts = context_matches(tokens, max_ngram, min_ngram)
     if not len(starts):
         return 0, []
     full = starts[starts + num_draft_tokens <= len(tokens)]
     start = int(full[-1] if len(full) else starts[0])
     return n, tokens[start : start + num_draft_tokens].tolist()
+
+
+def match_tree(match_len: int, draft: list[int]) -> DraftTree:
+    """A chain with the cost-aware signal (drafters/cost_aware.py): bucket = matched n-gram length."""
+    tree = DraftTree.chain(draft)
+    tree.node_data["bucket"] = np.full(len(tree), min(match_len, 8), dtype=np.int64)
+    return tree
 
 
 class PromptLookupDrafter:
@@ -68,24 +76,25 @@ class PromptLookupDrafter:
         if limit <= 0:
             return DraftTree.empty()
         tokens = np.asarray(state.tokens, dtype=np.int64)
-        n, draft = _lookup(tokens, self.max_ngram, self.min_ngram, limit)
+        n, draft = lookup_match(tokens, self.max_ngram, self.min_ngram, limit)
         if self.overlay is not None and n < self.overlay_max_span:
-            served = self._served(state.tokens, n + 1, limit)
+            span, served = self._served(state.tokens, n + 1, limit)
             if served:
-                tree = DraftTree.chain(served)
+                tree = match_tree(span, served)
                 tree.node_data["overlay"] = np.ones(len(tree), dtype=bool)
                 return tree
-        return DraftTree.chain(draft)
+        return match_tree(n, draft)
 
-    def _served(self, tokens: list[int], min_span: int, limit: int) -> list[int]:
+    def _served(self, tokens: list[int], min_span: int, limit: int) -> tuple[int, list[int]]:
+        """``(match length, draft)`` from the overlay; ``(0, [])`` when it holds no longer match."""
         match = self.overlay.longest_suffix_match(tokens, self.overlay_max_span, min_span)
         if match is None:
-            return []
+            return 0, []
         rows, offsets = self.overlay.continuations(match, limit, self.overlay_max_matches, return_offsets=True)
         lengths = (rows != SEPARATOR).sum(axis=1)  # rows end at their first separator
         full = np.flatnonzero(lengths == limit)
         pick = int(full[np.argmax(offsets[full])]) if full.size else int(np.lexsort((offsets, -lengths))[0])
-        return rows[pick, : lengths[pick]].tolist()
+        return match.length, rows[pick, : lengths[pick]].tolist()
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)

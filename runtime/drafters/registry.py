@@ -41,29 +41,42 @@ class Method:
     cli: str | None = None  # module with the method's own `generate` options
     sparse_ok: bool = False  # reads the dense index only when the version has one (a sparse version has none)
     overlay: bool = False  # searches the engine's served overlay (factory keyword ``overlay``)
+    # None: no cost-aware sizing; else the factory options it proposes with (the pruner cuts)
+    cost_options: dict | None = None
+    cost_default: bool = False  # cost-aware under --cost-aware auto (the default)
 
     @property
     def datastore(self) -> bool:
         return self.suffix or self.dense
 
 
+# cost-aware tree sizing (cost_aware.py): "on" for every method that supports it, "off" for none,
+# "auto" for those whose ``cost_default`` is set (where it measured faster: BENCHMARKS.md)
+COST_AWARE_MODES = ("auto", "on", "off")
+COST_AWARE_DEFAULT = "auto"
+COST_AWARE_HELP = ("size each draft tree by expected committed tokens per second under this machine's measured "
+                   "verification cost (runtime/cost.py; pld, rest, dresd, respec); off: the methods' fixed caps; "
+                   "auto: on for rest and dresd, where it measured faster")
+
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
     "ar": Method(_D + "ar:create"),
-    "pld": Method(_D + "pld:create", overlay=True),
-    "rest": Method(_D + "rest:create", suffix=True, overlay=True),
-    "dresd": Method(_D + "dresd:create", dense=True, states=True),
+    "pld": Method(_D + "pld:create", overlay=True, cost_options={"num_draft_tokens": 16}),
+    "rest": Method(_D + "rest:create", suffix=True, overlay=True, cost_options={}, cost_default=True),
+    "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}, cost_default=True),
     "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True,
-                     overlay=True),
+                     overlay=True, cost_options={"length_factor": 0.0, "score_threshold": 0.0, "max_candidates": 8,
+                                                 "max_nodes": 64, "draft_length": 16}),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
 
 
 def register(method: str, factory: str | Callable[..., Drafter], *, suffix: bool = False, dense: bool = False,
-             states: bool = False, cli: str | None = None, sparse_ok: bool = False, overlay: bool = False) -> None:
+             states: bool = False, cli: str | None = None, sparse_ok: bool = False, overlay: bool = False,
+             cost_options: dict | None = None, cost_default: bool = False) -> None:
     """Add or replace a method (``factory``: ``"module:function"`` or a callable)."""
-    METHODS[method] = Method(factory, suffix, dense, states, cli, sparse_ok, overlay)
+    METHODS[method] = Method(factory, suffix, dense, states, cli, sparse_ok, overlay, cost_options, cost_default)
 
 
 def available() -> list[str]:
@@ -106,15 +119,42 @@ def needs_states(methods: Iterable[str]) -> bool:
     return any(m in METHODS and METHODS[m].states for m in methods)
 
 
-def make_drafter(method: str, datastore=None, **options) -> Drafter:
-    """Build the drafter for ``method`` (ar, pld, and whatever else is registered)."""
-    factory = method_info(method).factory
+def cost_aware_methods(methods: Iterable[str]) -> list[str]:
+    """The registered methods among ``methods`` that size their trees by cost when asked to."""
+    return [m for m in methods if m in METHODS and METHODS[m].cost_options is not None]
+
+
+def uses_cost(method: str, mode: str = COST_AWARE_DEFAULT) -> bool:
+    """Whether ``method`` sizes its trees by cost under ``--cost-aware mode`` (auto, on, off)."""
+    if mode not in COST_AWARE_MODES:
+        raise SpecstoreError(f"cost-aware must be one of {', '.join(COST_AWARE_MODES)}, got {mode!r}")
+    spec = METHODS.get(method)
+    if spec is None or spec.cost_options is None or mode == "off":
+        return False
+    return mode == "on" or spec.cost_default
+
+
+def make_drafter(method: str, datastore=None, *, cost=None, **options) -> Drafter:
+    """Build the drafter for ``method`` (ar, pld, and whatever else is registered). ``cost``: a
+    cost.CostModel: a method that supports it proposes with its ``cost_options`` (options given
+    here win) and is wrapped in cost_aware.CostAwareDrafter, which prunes each tree to what is
+    expected to pay for its verification; None: the method's fixed caps."""
+    spec = method_info(method)
+    aware = cost is not None and spec.cost_options is not None
+    if aware:
+        options = {**spec.cost_options, **options}
+    factory = spec.factory
     if datastore is not None and hasattr(datastore, "manifest"):
         check_index([method], datastore.manifest, getattr(datastore, "ref", None))
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
-    return factory(datastore=datastore, **options)
+    drafter = factory(datastore=datastore, **options)
+    if aware:
+        from specstore.runtime.drafters.cost_aware import CostAwareDrafter
+
+        drafter = CostAwareDrafter(drafter, cost)
+    return drafter
 
 
 def _cli_modules() -> list[tuple[str, ModuleType]]:

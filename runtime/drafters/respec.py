@@ -32,6 +32,11 @@ Given the engine's served overlay, it is one more source of the pool (``"overlay
 own EMA scores like every key); nodes of overlay candidates are marked ``node_data["overlay"]``
 and tallied in ``overlay_use``.
 
+Cost-aware sizing (drafters/cost_aware.py, on with a cost model): each node's signal is its
+best candidate's source and EMA score; the registry then widens the proposal (every candidate,
+full length up to 16 tokens, 64 nodes: registry.py's ``cost_options``) and the pruner decides how much
+of it is worth verifying, so a long context match earns its full length.
+
 The command line's ReSpec options live in respec_cli.py.
 """
 
@@ -53,6 +58,9 @@ from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
 
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
+SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3}
+SCORE_EDGES = (0.75, 1.5, 3.0, 6.0)  # EMA score bins of the cost-aware signal
+FALLBACK_BUCKET = 100  # cost-aware buckets of fallback drafts start here
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +160,7 @@ class ReSpecDrafter:
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
                 tree.meta["candidate_keys"] = [c.key for c in chosen]
                 tree.node_data["retrieved"] = np.ones(len(tree), dtype=bool)  # every pool source retrieves
+                self._add_signals(tree, chosen)
                 if self.overlay is not None:
                     served = np.zeros(len(tree), dtype=bool)
                     for c, nodes in zip(chosen, tree.paths, strict=True):
@@ -163,7 +172,26 @@ class ReSpecDrafter:
         tree = self.fallback.propose(state)
         retrieved = getattr(self.fallback, "source", "lookup") not in MODEL_SOURCES
         tree.node_data["retrieved"] = np.full(len(tree), retrieved, dtype=bool)
+        # the fallback's own signal (pld: match length), in buckets apart from the pool's
+        own = tree.node_data.get("bucket")
+        tree.node_data["bucket"] = FALLBACK_BUCKET + (np.zeros(len(tree), dtype=np.int64) if own is None else own)
         return tree
+
+    def _add_signals(self, tree: DraftTree, chosen) -> None:
+        """The cost-aware signal (drafters/cost_aware.py): per node, the source and EMA score of
+        the best-scored candidate through it; ``prior`` score / (score + 1)."""
+        from specstore.runtime.drafters.cost_aware import bucketize
+
+        best = np.full(len(tree), -1.0)
+        source = np.zeros(len(tree), dtype=np.int64)
+        for c, path in zip(chosen, tree.paths, strict=True):
+            s = self.score(c.key)
+            for node in path:
+                if s > best[node]:
+                    best[node], source[node] = s, SOURCE_INDEX.get(c.source, len(SOURCE_INDEX))
+        best = np.maximum(best, 0.0)
+        tree.node_data["bucket"] = source * (len(SCORE_EDGES) + 1) + bucketize(best, SCORE_EDGES)
+        tree.node_data["prior"] = best / (best + 1.0)
 
     def stats(self) -> dict:
         """How this request was drafted: steps that retrieved, steps that fell back, and with what."""

@@ -5,7 +5,8 @@ Owns combining the sources and keying their continuations (no retrieval of its o
 no trees): ``CandidatePool.gather(state, length)`` returns ``Candidate``s from
 
 - ``context``: several distinct continuations of the context's longest suffix n-gram found
-  earlier in it, most recent first;
+  earlier in it, full-length ones first, most recent first (prompt lookup's rule, so that a
+  long copy from the context is drafted whole);
 - ``overlay``: the distinct continuations most occurrences share, of the longest context suffix
   found in what the engine has served (overlay.py; when the engine gives the drafter one);
 - ``suffix``: the distinct continuations most occurrences share, of the longest context suffix
@@ -59,6 +60,7 @@ class PoolConfig:
     max_span: int = 16  # longest suffix tried in the datastore (REST)
     min_span: int = 2
     max_matches: int = 64  # datastore occurrences read per step, spread evenly
+    context_full_first: bool = True  # context continuations of full length first (False: most recent first)
 
 
 def _keyed(source: str, found: list[Continuation], size: int) -> list[Candidate]:
@@ -85,7 +87,8 @@ class CandidatePool:
         per_source = []
         if cfg.num_context > 0:
             tokens = np.asarray(state.tokens, dtype=np.int64)
-            found = context_continuations(tokens, length, cfg.num_context, cfg.max_ngram, cfg.min_ngram)
+            found = context_continuations(tokens, length, cfg.num_context, cfg.max_ngram, cfg.min_ngram,
+                                          full_first=cfg.context_full_first)
             per_source.append(_keyed("context", found, size))
         if self.overlay is not None and cfg.num_overlay > 0:
             sample = suffix_sample(self.overlay, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,

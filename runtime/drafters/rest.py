@@ -4,11 +4,12 @@ Owns the REST algorithm over retrieval.py's suffix-array source: the longest suf
 context (pending token included, spans from ``max_span`` down to ``min_span``) that occurs in
 the datastore, what follows a capped, evenly spread sample of its occurrences; every
 continuation prefix is counted and the most frequent prefixes become one token tree of at most
-``max_nodes`` nodes. Deterministic. Works on a plain or a sharded suffix index alike. Given the
-engine's served overlay (overlay.py), it searches the datastore and the overlay together
-(retrieval.py's ``pooled_sample``) and marks the nodes the overlay drafted
-(``node_data["overlay"]``, tallied in ``overlay_use``). Does not own the search (suffix_array.py,
-sharded_suffix.py, overlay.py) or verification.
+``max_nodes`` nodes. Deterministic. Per node it records the cost-aware signal (share of the
+occurrences that agree, and their number: ``add_signals``). Works on a plain or a sharded
+suffix index alike. Given the engine's served overlay (overlay.py), it searches the datastore
+and the overlay together (retrieval.py's ``pooled_sample``) and marks the nodes the overlay
+drafted (``node_data["overlay"]``, tallied in ``overlay_use``). Does not own the search
+(suffix_array.py, sharded_suffix.py, overlay.py) or verification.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def prefix_tree(continuations: np.ndarray, max_nodes: int, min_count: int = 1) -
     return DraftTree(token[chosen].astype(np.int64), parents, node_data={"counts": count[chosen].astype(np.int64)})
 
 
+SHARE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.99)  # share of the parent's occurrences that agree
+SUPPORT_EDGES = (2, 4, 16)  # occurrences behind the node
+
+
+def add_signals(tree: DraftTree, num_rows: int) -> None:
+    """The cost-aware signal (drafters/cost_aware.py): ``bucket`` from the share of the parent's
+    occurrences that continue with this node's token and from their number; ``prior`` the share."""
+    from specstore.runtime.drafters.cost_aware import bucketize
+
+    counts = tree.node_data["counts"].astype(float)
+    parent_counts = np.where(tree.parents < 0, float(max(num_rows, 1)), counts[np.maximum(tree.parents, 0)])
+    share = np.clip(counts / np.maximum(parent_counts, 1.0), 0.0, 1.0)
+    tree.node_data["bucket"] = bucketize(share, SHARE_EDGES) * (len(SUPPORT_EDGES) + 1) + bucketize(counts, SUPPORT_EDGES)
+    tree.node_data["prior"] = share
+
+
 def _empty() -> DraftTree:
     tree = DraftTree.empty()
     tree.node_data["counts"] = np.zeros(0, dtype=np.int64)
@@ -129,6 +146,7 @@ class RestDrafter:
         tree = prefix_tree(sample.rows, cfg.max_nodes, cfg.min_count)
         tree.meta["match_len"] = sample.match_length
         tree.meta["num_matches"] = sample.num_matches
+        add_signals(tree, len(sample.rows))
         if served is not None:
             tree.node_data["overlay"] = overlay_flags(tree.tokens, tree.parents, served)
         return tree

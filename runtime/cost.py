@@ -1,0 +1,210 @@
+"""Verification cost model: seconds per target forward over a draft tree of ``n`` nodes at a
+context of ``c`` cached tokens, for one loaded model, device, dtype and torch build.
+
+Owns measuring it (a few timed forwards through the TreeVerifier: warm-up first, then the
+median of repeats at node counts 0 (plain decoding), 1, 2, 4, ... 64 and at two context
+lengths), the fit (per context, a least-squares line in nodes with a non-negative slope; linear
+between contexts), and the JSON cache under
+``cache_dir()/cost``, keyed by the model's hash, the device, the dtype, torch's version and
+(on the CPU) its thread count. A corrupt or mismatched cache file is measured again;
+``refresh=True`` (the CLI's ``--refresh-cost``) always measures. Device-agnostic: on CUDA each
+timed forward is synchronised, and the same fit tells that wide trees are cheap there.
+
+Used by the cost-aware pruner (drafters/cost_aware.py) and the simulator's speed prediction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specstore.runtime.models import cache_dir
+from specstore.runtime.tree import DraftTree
+
+NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (128, 1024)
+REPEATS = 7
+VERSION = 1  # of the cache file's layout
+
+
+@dataclass(slots=True)
+class CostModel:
+    """``seconds[i][j]``: median seconds of one verification forward over ``nodes[j]`` tree
+    nodes (plus the pending token) after ``contexts[i]`` cached tokens; ``fit[i]``: the line
+    ``(a, b)`` fitted to row i (seconds = a + b * nodes), which the predictions use: a small
+    parametric fit, so that the noise of single medians does not shape the trees."""
+
+    nodes: list[int]
+    contexts: list[int]
+    seconds: list[list[float]]
+    key: dict
+    fit: list[tuple[float, float]] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
+            raise ValueError("a cost model needs one row of seconds per context, one value per node count")
+        if list(self.nodes) != sorted(set(self.nodes)) or list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError("node counts and contexts must be strictly increasing")
+        self.fit = [_line(self.nodes, row) for row in self.seconds]
+
+    def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
+        """Predicted seconds of a forward over ``nodes`` (int or array) tree nodes after
+        ``context`` cached tokens (None: the first measured context): per context the fitted
+        line ``a + b * nodes``, linear between (and beyond) the measured contexts."""
+        n = np.asarray(nodes, dtype=float)
+        rows = [a + b * n for a, b in self.fit]
+        if context is None or len(self.contexts) == 1:
+            out = rows[0]
+        else:
+            c0, c1 = self.contexts[0], self.contexts[-1]
+            w = (float(context) - c0) / (c1 - c0)
+            out = rows[0] + w * (rows[-1] - rows[0])
+            out = np.maximum(out, np.minimum(rows[0], rows[-1]) * 0.5)  # far below the first context: bounded
+        return float(out) if out.ndim == 0 else out
+
+    def relative(self, nodes, context: int | None = None):
+        """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context."""
+        return self.seconds_for(nodes, context) / self.seconds_for(0, context)
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        if data.get("version") != VERSION:
+            raise ValueError(f"cost cache version {data.get('version')!r}, expected {VERSION}")
+        return cls([int(n) for n in data["nodes"]], [int(c) for c in data["contexts"]],
+                   [[float(s) for s in row] for row in data["seconds"]], dict(data["key"]))
+
+    @classmethod
+    def flat(cls, seconds: float = 1.0) -> CostModel:
+        """Every tree costs what plain decoding costs (for tests and what-ifs)."""
+        return cls([0, 64], [0], [[seconds, seconds]], {"flat": seconds})
+
+
+def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``a + b * nodes`` through the medians, with ``b >= 0`` (a forward over more
+    nodes never costs less; a negative slope is noise) and ``a > 0``."""
+    x, y = np.asarray(nodes, dtype=float), np.asarray(seconds, dtype=float)
+    if len(x) < 2:
+        return max(float(y[0]), 1e-9), 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        a, b = float(y.mean()), 0.0
+    return max(float(a), 1e-9), float(b)
+
+
+def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a measurement depends on: model hash, device (name), dtype, torch, CPU threads."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{platform.machine()} {platform.processor()} x{os.cpu_count()}".strip()
+    return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": str(dtype).replace("torch.", ""),
+            "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None}
+
+
+def cache_path(key: dict, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return (root or cache_dir() / "cost") / f"{digest}.json"
+
+
+def measure(step: Callable[[int, int], None], nodes: Sequence[int] = NODE_COUNTS, contexts: Sequence[int] = CONTEXTS,
+            repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter, key: dict | None = None) -> CostModel:
+    """Time ``step(nodes, context)`` (one verification forward): one warm-up call per cell, then
+    ``repeats`` rounds over every (context, node count) cell, interleaved so that drift and
+    other load on the machine hit every cell alike; the median per cell."""
+    cells = [(c, n) for c in contexts for n in nodes]
+    for c, n in cells:
+        step(n, c)
+    times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
+    for _ in range(repeats):
+        for c, n in cells:
+            start = clock()
+            step(n, c)
+            times[(c, n)].append(clock() - start)
+    table = [[statistics.median(times[(c, n)]) for n in nodes] for c in contexts]
+    return CostModel(list(nodes), list(contexts), table, key or {})
+
+
+class ForwardStep:
+    """``step(n, context)`` for ``measure``: a TreeVerifier forward over a ``n``-node tree (a
+    chain) after ``context`` cached tokens (one verifier per context, prefilled once), the
+    cache cropped back after each call."""
+
+    def __init__(self, model, seed: int = 0):
+        from specstore.runtime.verify import TreeVerifier
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab = int(model.config.vocab_size)
+        self.rng = np.random.default_rng(seed)
+        self._verifier_cls = TreeVerifier
+        self.verifiers: dict[int, object] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def verifier(self, context: int):
+        if context not in self.verifiers:
+            v = self._verifier_cls(self.model)
+            v.prefill(self.rng.integers(0, self.vocab, size=max(context, 1)).tolist())
+            self.verifiers[context] = v
+        return self.verifiers[context]
+
+    def __call__(self, nodes: int, context: int) -> None:
+        verifier = self.verifier(context)
+        tree = DraftTree.chain(self.rng.integers(0, self.vocab, size=nodes).tolist())
+        verifier.tree_logits(int(self.rng.integers(0, self.vocab)), tree)
+        self._sync()
+        verifier.cache.crop(-(nodes + 1))  # transformers 5.x: negative = tokens to remove
+
+
+def usable_contexts(model, nodes: Sequence[int] = NODE_COUNTS, contexts: Sequence[int] = CONTEXTS) -> list[int]:
+    """``contexts`` that leave room for the largest tree within the model's position limit."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    room = (int(limit) if limit else 1 << 30) - max(nodes) - 2
+    out = sorted({max(1, min(c, room)) for c in contexts})
+    return out
+
+
+def load_cost_model(model, info, *, refresh: bool = False, root: Path | None = None,
+                    step: Callable[[int, int], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+                    nodes: Sequence[int] = NODE_COUNTS, contexts: Sequence[int] | None = None,
+                    repeats: int = REPEATS, quiet: bool = True) -> CostModel:
+    """The cached cost model of ``model`` (its ``info`` from load_model), measured when there is
+    none, when the cached file is unreadable or for another key, or when ``refresh``.
+    ``step``/``clock``: replace the real forward and timer (tests)."""
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    key = cost_key(info, device, dtype)
+    path = cache_path(key, root)
+    if not refresh and path.exists():
+        try:
+            cached = CostModel.from_json(json.loads(path.read_text()))
+            if cached.key == key:
+                return cached
+        except (ValueError, KeyError, TypeError, OSError):
+            pass  # corrupt or from another layout: measure again
+    if not quiet:
+        print(f"specstore: measuring the verification cost of {info.model_id} on {key['device']} {key['dtype']} "
+              f"(cached in {path})", file=sys.stderr, flush=True)
+    ctx = list(contexts) if contexts is not None else usable_contexts(model, nodes)
+    with torch.inference_mode():
+        fitted = measure(step or ForwardStep(model), nodes, ctx, repeats, clock, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(fitted.to_json(), indent=1))
+    os.replace(tmp, path)
+    return fitted

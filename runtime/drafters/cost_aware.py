@@ -1,0 +1,172 @@
+"""Cost-aware tree sizing: keep the part of a drafter's tree that maximises expected committed
+tokens per second, the empty tree (plain decoding) included.
+
+Owns three pieces, applied in one place (``CostAwareDrafter``, wrapped around a drafter by the
+registry when a cost model is given):
+
+1. Signals. A drafter records per node a small integer ``node_data["bucket"]`` (its raw
+   acceptance signal, quantised: pld the match length; rest the share of occurrences that agree
+   and their number; dresd the share of neighbours through the node and the best one's rank;
+   respec the candidate's source and EMA score) and may record ``node_data["prior"]``, its own
+   guess of the node's acceptance probability (default 0.5).
+2. Calibration (``Calibrator``). Per method, the probability that a node is accepted given its
+   parent was, for (bucket, depth): accepted / tried counts learned online from each
+   VerifyResult, shrunk towards the bucket's rate over all depths, which is shrunk towards the
+   node's prior (``weight`` pseudo-trials each), so it starts sensible. Siblings exclude each
+   other (one next token), so their probabilities are scaled to sum to at most 1.
+3. Pruning (``prune``). A node's path probability is the product along its path; nodes sorted
+   by it (parents first on ties) give, for each size k, the subtree of k nodes with the largest
+   expected number of accepted tokens. The size maximising
+   ``(1 + sum of the kept path probabilities) / seconds(k nodes, context)`` wins; k = 0 is
+   plain decoding. Only nodes are removed, so a lossless drafter stays lossless.
+
+The calibration lives as long as the wrapper (across requests, like the bench's drafters);
+``reset`` does not clear it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from specstore.runtime.cost import CostModel
+from specstore.runtime.drafters.base import DecodeState
+from specstore.runtime.tree import DraftTree, clip_depth
+from specstore.runtime.verify import VerifyResult
+
+MAX_DEPTH_BIN = 8  # depths 8 and beyond share one calibration cell
+DEFAULT_PRIOR = 0.5
+
+
+def bucketize(values, edges) -> np.ndarray:
+    """Index of the bin of each value: 0 below ``edges[0]``, ``len(edges)`` at or above the last."""
+    return np.searchsorted(np.asarray(edges, dtype=float), np.asarray(values, dtype=float), side="right").astype(np.int64)
+
+
+class Calibrator:
+    """P(node accepted | parent accepted) per (bucket, depth), from counts with a prior."""
+
+    def __init__(self, weight: float = 4.0):
+        self.weight = weight
+        self.tried: dict[tuple[int, int], float] = defaultdict(float)
+        self.accepted: dict[tuple[int, int], float] = defaultdict(float)
+        self.tried_b: dict[int, float] = defaultdict(float)
+        self.accepted_b: dict[int, float] = defaultdict(float)
+
+    def probabilities(self, tree: DraftTree) -> np.ndarray:
+        """Calibrated conditional acceptance probability of each node of ``tree``."""
+        n = len(tree)
+        if n == 0:
+            return np.zeros(0)
+        buckets = _buckets(tree)
+        priors = tree.node_data.get("prior")
+        priors = np.full(n, DEFAULT_PRIOR) if priors is None else np.clip(np.asarray(priors, dtype=float), 0.0, 1.0)
+        depths = np.minimum(tree.depths(), MAX_DEPTH_BIN)
+        w = self.weight
+        p = np.empty(n)
+        for i, (b, d) in enumerate(zip(buckets.tolist(), depths.tolist(), strict=True)):
+            pb = (self.accepted_b[b] + w * priors[i]) / (self.tried_b[b] + w)
+            p[i] = (self.accepted[(b, d)] + w * pb) / (self.tried[(b, d)] + w)
+        # siblings are exclusive: their probabilities may sum to 1 at most
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, parent in enumerate(tree.parents.tolist()):
+            groups[parent].append(i)
+        for members in groups.values():
+            total = p[members].sum()
+            if total > 1.0:
+                p[members] /= total
+        return p
+
+    def update(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Count every node whose parent was accepted (or is the root) as one trial."""
+        if len(tree) == 0:
+            return
+        buckets = _buckets(tree)
+        depths = np.minimum(tree.depths(), MAX_DEPTH_BIN)
+        accepted = set(result.accepted_nodes)
+        for i, parent in enumerate(tree.parents.tolist()):
+            if parent >= 0 and parent not in accepted:
+                continue
+            b, d, hit = int(buckets[i]), int(depths[i]), float(i in accepted)
+            self.tried[(b, d)] += 1.0
+            self.accepted[(b, d)] += hit
+            self.tried_b[b] += 1.0
+            self.accepted_b[b] += hit
+
+    def rate(self, bucket: int, depth: int) -> float | None:
+        """The observed acceptance rate of one cell (None before any trial)."""
+        t = self.tried.get((bucket, min(depth, MAX_DEPTH_BIN)), 0.0)
+        return self.accepted[(bucket, min(depth, MAX_DEPTH_BIN))] / t if t else None
+
+
+def _buckets(tree: DraftTree) -> np.ndarray:
+    b = tree.node_data.get("bucket")
+    return np.zeros(len(tree), dtype=np.int64) if b is None else np.asarray(b, dtype=np.int64)
+
+
+def path_probabilities(tree: DraftTree, p: np.ndarray) -> np.ndarray:
+    """Product of ``p`` along each node's path (parents come before children)."""
+    out = np.empty(len(tree))
+    for i, parent in enumerate(tree.parents.tolist()):
+        out[i] = p[i] * (1.0 if parent < 0 else out[parent])
+    return out
+
+
+def best_size(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None) -> tuple[np.ndarray, int, float]:
+    """(nodes in best-first order, the best number of them to keep, its expected tokens/s
+    relative to plain decoding)."""
+    n = len(tree)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), 0, 1.0
+    q = path_probabilities(tree, p)
+    order = np.lexsort((np.arange(n), tree.depths(), -q))  # parents first on ties: prefix-closed
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(q[order])])
+    rate = gain / np.asarray(cost.relative(np.arange(n + 1), context), dtype=float)
+    k = int(np.argmax(rate))  # the first maximum: the smaller tree on ties
+    return order, k, float(rate[k])
+
+
+def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None) -> DraftTree:
+    """The subtree of ``tree`` maximising expected committed tokens per second (module doc, 3)."""
+    order, k, _ = best_size(tree, p, cost, context)
+    if k == len(tree):
+        return tree
+    keep = np.zeros(len(tree), dtype=bool)
+    keep[order[:k]] = True
+    return tree.subset(keep)
+
+
+class CostAwareDrafter:
+    """Wraps a drafter: its trees are pruned by ``prune`` with calibrated probabilities; its
+    feedback also updates the calibration. Everything else is the inner drafter's."""
+
+    def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None):
+        self.inner, self.cost = inner, cost
+        self.calibrator = calibrator or Calibrator()
+        self.name, self.lossless = inner.name, getattr(inner, "lossless", True)
+        self.num_kept = self.num_proposed = 0
+
+    @property
+    def acceptance(self):
+        return getattr(self.inner, "acceptance", None)
+
+    def __getattr__(self, name):  # the inner drafter's own attributes (stats, config, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.inner.reset(prompt_ids)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        tree = clip_depth(self.inner.propose(state), max(state.budget, 0))
+        self.num_proposed += len(tree)
+        if len(tree):
+            tree = prune(tree, self.calibrator.probabilities(tree), self.cost, len(state.tokens))
+        self.num_kept += len(tree)
+        return tree
+
+    def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
+        self.calibrator.update(tree, result)
+        self.inner.observe(state, tree, result)

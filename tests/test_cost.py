@@ -1,0 +1,260 @@
+"""Cost model (fit, cache keyed by model/device/dtype/torch, refresh, corrupt files) and the
+cost-aware pruner and calibrator; timing is a fake clock wherever a real one would be flaky."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specstore.runtime.cost import CostModel, ForwardStep, cache_path, cost_key, load_cost_model, measure
+from specstore.runtime.decode import decode
+from specstore.runtime.drafters.cost_aware import (
+    Calibrator,
+    CostAwareDrafter,
+    best_size,
+    path_probabilities,
+    prune,
+)
+from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.models import model_info
+from specstore.runtime.sampling import Sampling
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import VerifyResult
+from tests.decoding_helpers import random_prompt, tiny_lm
+
+
+class FakeTimer:
+    """``step(n, context)`` advances a fake clock by ``seconds(n, context)`` and counts calls."""
+
+    def __init__(self, seconds):
+        self.now, self.calls, self.seconds = 0.0, 0, seconds
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, n: int, context: int) -> None:
+        self.calls += 1
+        self.now += self.seconds(n, context)
+
+
+def linear(n, c):
+    return 0.02 + 0.001 * n + 0.00001 * c
+
+
+def test_measure_fits_the_timed_forwards_and_interpolates():
+    timer = FakeTimer(linear)
+    cost = measure(timer.step, nodes=(0, 1, 4, 16, 64), contexts=(100, 1000), repeats=3, clock=timer.clock)
+    # warm-up once per cell, then three timed repeats
+    assert timer.calls == 2 * 5 * 4
+    for n in (0, 1, 3, 10, 64, 100):
+        for c in (100, 550, 1000):
+            assert cost.seconds_for(n, c) == pytest.approx(linear(n, c), rel=1e-6)
+    assert cost.relative(0, 500) == pytest.approx(1.0)
+    assert cost.relative(64, 100) == pytest.approx(linear(64, 100) / linear(0, 100))
+
+
+def test_fit_is_a_line_never_falling_with_nodes_through_the_medians():
+    values = {0: [1.0, 1.0, 9.0, 1.0], 8: [0.5, 0.5, 50.0, 0.5]}  # per node count: warm-up, then repeats
+    order = []
+
+    def seconds(n, c):
+        order.append(n)
+        return values[n][sum(1 for x in order if x == n) - 1]
+
+    timer = FakeTimer(seconds)
+    cost = measure(timer.step, nodes=(0, 8), contexts=(10,), repeats=3, clock=timer.clock)
+    assert cost.seconds[0] == pytest.approx([1.0, 0.5])  # medians of (1, 9, 1) and (0.5, 50, 0.5)
+    assert cost.fit[0] == pytest.approx((0.75, 0.0))  # a falling cost is noise: flat, through their mean
+    assert cost.seconds_for(8) == pytest.approx(0.75) and cost.relative(64) == pytest.approx(1.0)
+    noisy = CostModel([0, 1, 2, 4, 8, 16, 32, 64], [1], [[1.0, 1.3, 1.0, 1.0, 1.1, 1.2, 1.4, 1.8]], {})
+    a, b = noisy.fit[0]
+    assert 0.0 < b < 0.02 and noisy.relative(1) < 1.05  # one noisy median does not make one node dear
+
+
+def test_cost_cache_is_keyed_refreshed_and_survives_corruption(tmp_path):
+    model, tok = tiny_lm()
+    info = model_info(model, tok, "tiny")
+    timer = FakeTimer(linear)
+    kw = dict(root=tmp_path, step=timer.step, clock=timer.clock, nodes=(0, 2, 8), contexts=(16, 64), repeats=2)
+    first = load_cost_model(model, info, **kw)
+    measured = timer.calls
+    assert measured > 0
+    path = cache_path(cost_key(info, torch.device("cpu"), torch.float32), tmp_path)
+    assert path.is_file() and json.loads(path.read_text())["key"]["dtype"] == "float32"
+    again = load_cost_model(model, info, **kw)
+    assert timer.calls == measured and again.seconds == first.seconds  # from the cache
+    load_cost_model(model, info, refresh=True, **kw)
+    assert timer.calls == 2 * measured  # refresh measures again
+    path.write_text("{ not json")
+    load_cost_model(model, info, **kw)
+    assert timer.calls == 3 * measured  # corrupt file: measured again and rewritten
+    assert CostModel.from_json(json.loads(path.read_text())).key == first.key
+    # another dtype or model is another key, another file
+    other = cost_key(info, torch.device("cpu"), torch.bfloat16)
+    assert cache_path(other, tmp_path) != path
+    assert cost_key(info.model_copy(update={"revision": "x"}), torch.device("cpu"), torch.float32) != first.key
+
+
+def test_forward_step_runs_real_forwards_and_leaves_the_cache_as_it_was():
+    model, _ = tiny_lm()
+    step = ForwardStep(model)
+    with torch.inference_mode():
+        step(4, 20)
+        assert step.verifier(20).num_cached == 20
+        step(16, 20)
+        assert step.verifier(20).num_cached == 20
+    ticks = iter(range(1000))
+    cost = measure(step, nodes=(0, 4), contexts=(8,), repeats=2, clock=lambda: float(next(ticks)))
+    assert cost.nodes == [0, 4] and cost.seconds[0][0] > 0
+
+
+# --- pruner ----------------------------------------------------------------------------------
+
+
+def wide_tree() -> DraftTree:
+    """Three chains of four under the root, then a second child at depth 2."""
+    return DraftTree.from_paths([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [1, 20, 21]])
+
+
+def steep_cost() -> CostModel:
+    return CostModel([0, 1, 64], [0], [[1.0, 3.0, 200.0]], {})
+
+
+def is_subtree(small: DraftTree, big: DraftTree) -> bool:
+    """Every root-to-node token path of ``small`` is one of ``big``'s."""
+    def paths(t):
+        return {tuple(t.tokens[t.path_to(i)].tolist()) for i in range(len(t))}
+    return paths(small) <= paths(big)
+
+
+def test_pruner_picks_plain_decoding_when_verifying_is_dear_and_acceptance_low():
+    tree = wide_tree()
+    assert len(prune(tree, np.full(len(tree), 0.2), steep_cost())) == 0
+
+
+def test_pruner_keeps_whole_paths_when_acceptance_is_high_and_cost_flat():
+    tree = wide_tree()
+    p = np.full(len(tree), 0.9)
+    assert len(prune(tree, p, CostModel.flat())) == len(tree)
+    chain = DraftTree.chain([4, 5, 6, 7, 8, 9])
+    assert len(prune(chain, np.full(6, 0.95), CostModel([0, 64], [0], [[1.0, 1.3]], {}))) == 6
+
+
+def test_pruner_result_is_the_best_size_and_always_a_subtree():
+    rng = np.random.default_rng(3)
+    cost = CostModel([0, 1, 8, 64], [0], [[1.0, 1.05, 1.3, 3.0]], {})
+    for _ in range(200):
+        paths = [rng.integers(0, 4, size=int(rng.integers(1, 7))).tolist() for _ in range(int(rng.integers(1, 6)))]
+        tree = DraftTree.from_paths(paths)
+        tree.node_data["bucket"] = np.arange(len(tree))
+        p = rng.uniform(0, 1, size=len(tree))
+        kept = prune(tree, p, cost)
+        assert is_subtree(kept, tree)
+        assert kept.node_data["bucket"].tolist() == sorted(kept.node_data["bucket"].tolist())  # rows kept in order
+        # no subtree of the same size holds more expected tokens than the best-first prefix
+        order, k, rate = best_size(tree, p, cost)
+        q = path_probabilities(tree, p)
+        assert rate == pytest.approx((1 + q[order[:k]].sum()) / cost.relative(k))
+        for size in range(len(tree) + 1):
+            assert (1 + np.sort(q)[::-1][:size].sum()) / cost.relative(size) <= rate + 1e-9
+
+
+def test_calibration_learns_from_verify_results():
+    cal = Calibrator(weight=2.0)
+    tree = DraftTree.chain([5, 6, 7])
+    tree.node_data["bucket"] = np.array([1, 1, 1])
+    start = cal.probabilities(tree)
+    assert np.allclose(start, 0.5)
+    for _ in range(30):  # the first two nodes are always accepted, the third never
+        cal.update(tree, VerifyResult([0, 1], [5, 6], 9, 3))
+    assert cal.rate(1, 1) == 1.0 and cal.rate(1, 2) == 1.0 and cal.rate(1, 3) == 0.0
+    p = cal.probabilities(tree)
+    assert p[0] > 0.9 and p[1] > 0.9 and p[2] < 0.2
+    # a node whose parent was rejected is no trial
+    cal.update(tree, VerifyResult([], [], 9, 3))
+    assert cal.tried[(1, 1)] == 31 and cal.tried[(1, 2)] == 30
+
+
+def test_sibling_probabilities_sum_to_at_most_one():
+    tree = DraftTree.from_paths([[1], [2], [3], [4]])
+    tree.node_data["prior"] = np.full(4, 0.9)
+    assert cal_sum(tree) == pytest.approx(1.0)
+
+
+def cal_sum(tree):
+    return float(Calibrator().probabilities(tree).sum())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cost_aware_pld_is_identical_to_ar_and_prunes(family):
+    model, _ = tiny_lm(family)
+    rng = np.random.default_rng(11)
+    dear = CostModel([0, 1, 64], [0], [[1.0, 1.2, 40.0]], {})
+    for cost in (CostModel.flat(), dear):
+        drafter = make_drafter("pld", cost=cost)
+        assert isinstance(drafter, CostAwareDrafter) and drafter.inner.num_draft_tokens == 16
+        for _ in range(3):
+            prompt = random_prompt(rng, model.config.vocab_size, 24)
+            ar = decode(model, prompt, make_drafter("ar"), 30, Sampling())
+            out = decode(model, prompt, drafter, 30, Sampling())
+            assert out.token_ids == ar.token_ids
+        assert drafter.num_kept <= drafter.num_proposed
+    assert make_drafter("ar", cost=dear).name == "ar" and not isinstance(make_drafter("ar", cost=dear), CostAwareDrafter)
+
+
+def test_calibration_follows_what_the_verifier_accepts():
+    """Through decode: the wrapper's calibrator counts exactly the trials the verified trees offered."""
+    model, _ = tiny_lm()
+    drafter = make_drafter("pld", cost=CostModel.flat())
+    seen = []
+    inner_observe = drafter.inner.observe
+    drafter.inner.observe = lambda state, tree, result: (seen.append((tree, result)), inner_observe(state, tree, result))
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        decode(model, random_prompt(rng, model.config.vocab_size, 30), drafter, 40, Sampling())
+    cal = drafter.calibrator
+    trials = sum(1 for tree, res in seen for i, p in enumerate(tree.parents.tolist()) if p < 0 or p in res.accepted_nodes)
+    assert sum(cal.tried_b.values()) == trials > 0
+    assert sum(cal.accepted_b.values()) == sum(len(res.accepted_nodes) for _, res in seen) > 0
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_default_model_cost_aware_methods_identical_to_ar_float32(tmp_path):
+    """The real default model, float32, real prompts, a pipeline-built code datastore: every
+    lossless method with cost-aware sizing decodes exactly what ar decodes."""
+    from specstore.runtime.api import generate
+    from specstore.runtime.datastore import Datastore
+    from specstore.runtime.models import load_model
+    from tests.datastore_helpers import CODE_RECORDS, pipeline_store
+
+    loaded = load_model(None, dtype="float32", device="cpu")
+    pipeline_store(tmp_path, None, CODE_RECORDS, "code")
+    ds = Datastore.open(tmp_path / "store", "code@prod", loaded.info)
+    cpu_like = CostModel([0, 1, 8, 16, 64], [0], [[1.0, 1.02, 1.1, 1.3, 1.8]], {})
+    prompts = ["Write a Python function that reverses a string.", "List the days of the week, then list them again in reverse order."]
+    for method in ("pld", "rest", "dresd", "respec"):
+        drafter = make_drafter(method, ds, cost=cpu_like)
+        for prompt in prompts:
+            ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=48)
+            out = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=48)
+            assert out.token_ids == ar.token_ids, (method, prompt)
+        assert drafter.num_kept <= drafter.num_proposed
+
+
+def test_cost_aware_modes_select_methods():
+    from specstore.runtime.bench.runner import drafter_labels
+    from specstore.runtime.drafters.registry import uses_cost
+    from specstore.runtime.errors import SpecstoreError
+
+    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "on")] == ["pld", "rest", "dresd", "respec"]
+    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "auto")] == ["rest", "dresd"]
+    assert not any(uses_cost(m, "off") for m in ("ar", "pld", "rest", "dresd", "respec"))
+    assert drafter_labels(["ar", "pld", "rest"], "both") == {"ar": ("ar", False), "pld": ("pld", False), "pld+cost": ("pld", True),
+                                                            "rest": ("rest", False), "rest+cost": ("rest", True)}
+    assert drafter_labels(["ar", "pld", "rest"], "auto") == {"ar": ("ar", False), "pld": ("pld", False), "rest": ("rest", True)}
+    with pytest.raises(SpecstoreError, match="cost-aware must be one of"):
+        drafter_labels(["pld"], "sometimes")
