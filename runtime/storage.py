@@ -282,7 +282,14 @@ def _filesystem(scheme: str, options: Mapping[str, str], uri: str):
             else:
                 kwargs |= dict(endpoint_override=endpoint, scheme="http" if allow_http else "https")
         return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
-    # gs:// and az://: pyarrow's filesystems with the credentials their SDKs find in the environment
+    if scheme == "az":  # Lance's Azure option names (and the SDK's environment variables)
+        name = options.get("azure_storage_account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+        if not name:
+            raise SpecstoreError(f"{uri}: give the storage option azure_storage_account_name (or AZURE_STORAGE_ACCOUNT_NAME)")
+        key = options.get("azure_storage_account_key") or os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")
+        sas = options.get("azure_storage_sas_token") or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+        return pafs.AzureFileSystem(name, account_key=key, sas_token=sas)
+    # gs://: pyarrow's filesystem with the credentials Google's SDK finds (GOOGLE_APPLICATION_CREDENTIALS, ...)
     try:
         fs, _ = pafs.FileSystem.from_uri(uri)
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError per backend

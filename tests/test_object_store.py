@@ -185,6 +185,10 @@ def test_storage_options_and_environment():
     assert options_from_env("gs", env) == {}
     with pytest.raises(SpecstoreError, match="unsupported store URI"):
         Location.of("ftp://host/x")
+    with pytest.raises(SpecstoreError, match="azure_storage_account_name"):
+        _ = Location.of("az://container/x").fs
+    azure = Location.of("az://container/x", {"azure_storage_account_name": "acct", "azure_storage_account_key": "a2V5"})
+    assert type(azure.fs).__name__ == "AzureFileSystem" and azure._path("a/b") == "container/x/a/b"
     with pytest.raises(SpecstoreError, match="allow_http=true"):
         _ = Location.of("s3://bucket/x", {"aws_endpoint": "http://127.0.0.1:1"}).fs
 
