@@ -174,7 +174,8 @@ def test_the_cache_stays_within_its_bound(s3, own, tmp_path):
     assert all(p.exists() for p in view.rglob("*") if p.is_symlink())
 
 
-def test_storage_options_and_environment():
+def test_storage_options_and_environment(monkeypatch):
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     assert parse_storage_options(["aws_region=eu-west-1", "allow_http=true", "aws_region=us-east-1"]) == {
         "aws_region": "us-east-1", "allow_http": "true"}
     with pytest.raises(SpecstoreError, match="not KEY=VALUE"):
