@@ -192,10 +192,3 @@ def test_storage_options_and_environment(monkeypatch):
     assert type(azure.fs).__name__ == "AzureFileSystem" and azure._path("a/b") == "container/x/a/b"
     with pytest.raises(SpecstoreError, match="allow_http=true"):
         _ = Location.of("s3://bucket/x", {"aws_endpoint": "http://127.0.0.1:1"}).fs
-
-
-def test_build_into_an_object_store_says_it_is_not_supported_yet(s3, capsys):
-    uri = s3.uri()
-    assert main(["build", "--store", uri, *s3.cli(), "--name", "x", "--corpus", "missing.jsonl"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "building into an object store" in err[0] and "not supported yet" in err[0]
