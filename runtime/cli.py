@@ -31,6 +31,17 @@ def _add_store(p: argparse.ArgumentParser) -> None:
                    "SDKs read it (AWS_REGION, AWS_ENDPOINT_URL, ...)")
 
 
+def _add_cost_options(p: argparse.ArgumentParser, both: str | None = None) -> None:
+    """``--cost-aware`` (with ``both`` among its choices when ``both`` explains it) and ``--refresh-cost``."""
+    from specstore.runtime.drafters import registry
+
+    modes = [*registry.COST_AWARE_MODES, "both"] if both else list(registry.COST_AWARE_MODES)
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=modes,
+                   help=registry.COST_AWARE_HELP + (both or "") + f" (default {registry.COST_AWARE_DEFAULT})")
+    p.add_argument("--refresh-cost", action="store_true",
+                   help="measure the verification cost model again (else cached per model, device, dtype, torch)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specstore",
@@ -132,9 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=registry.COST_AWARE_MODES,
-                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
-    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
+    _add_cost_options(p)
     registry.add_cli_options(p)  # each method's own options (ReSpec's: drafters/respec_cli.py)
     p.set_defaults(handler=_cmd_generate)
 
@@ -159,10 +168,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE", help="drafter option, e.g. rest.max_nodes=32 (repeatable)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON result here")
-    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=[*registry.COST_AWARE_MODES, "both"],
-                   help=registry.COST_AWARE_HELP + f"; both: run each such method both ways, the cost-aware one as METHOD+cost "
-                   f"(default {registry.COST_AWARE_DEFAULT})")
-    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
+    _add_cost_options(p, both="; both: run each such method both ways, the cost-aware one as METHOD+cost")
     p.set_defaults(handler=_cmd_bench)
 
     p = sub.add_parser(
@@ -182,9 +188,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="dtype whose verification cost predicts the speed (the bench's; default bfloat16)")
     p.add_argument("--device", default="auto", help="device whose verification cost predicts the speed (default auto)")
-    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=registry.COST_AWARE_MODES,
-                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
-    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again")
+    _add_cost_options(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cmd_simulate)
 
@@ -221,9 +225,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="for requests that do not say (default: a fresh seed per request)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=registry.COST_AWARE_MODES,
-                   help=registry.COST_AWARE_HELP + f" (default {registry.COST_AWARE_DEFAULT})")
-    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again (else cached per model, device, dtype, torch)")
+    _add_cost_options(p)
     registry.add_cli_options(p)  # each method's own options, as for generate
     p.set_defaults(handler=_cmd_serve)
     return parser

@@ -116,7 +116,7 @@ class FileCache:
         wanted = {rel: info for rel, info in files.items() if rel.startswith(prefix) and rel[len(prefix):] not in skip}
         key = hashlib.sha256(f"{location.uri}\n{prefix}".encode()).hexdigest()[:24]
         view = self.root / "views" / key
-        used = []
+        used, fetched_before = [], self.fetched
         for rel, info in sorted(wanted.items()):
             target = self.fetch(location, rel, info)
             used.append(target)
@@ -126,7 +126,8 @@ class FileCache:
                 temp = link.with_name(f".{link.name}.{uuid.uuid4().hex[:8]}")
                 os.symlink(target, temp)
                 os.replace(temp, link)
-        self.evict(keep=set(used))
+        if self.fetched > fetched_before:  # only a fill can push the cache past its bound
+            self.evict(keep=set(used))
         return view
 
     def evict(self, keep: set[Path] = frozenset()) -> int:
