@@ -22,7 +22,7 @@ from specstore.runtime.errors import ManifestMismatchError, SpecstoreError
 from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_dir
 from specstore.runtime.storage import Location
 from specstore.runtime.store import Store, VersionRecord
-from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
+from specstore.runtime.suffix_array import INDEX_FILES, STREAM_FILE
 from specstore.schemas.manifest import Manifest, ModelInfo, SourceInfo
 
 if TYPE_CHECKING:
@@ -145,8 +145,10 @@ def link_untouched_shard(index: int, plan: BuildPlan, layout: StreamLayout) -> l
     if layout.shards[index].takes_new_documents:
         return []
     shard = shard_dir(Path(), index).as_posix()
-    for name in (STREAM_FILE, SA_FILE):
-        plan.location.copy(f"{plan.base.files_rel}/{shard}/{name}", f"{plan.files_rel}/{shard}/{name}")
+    for name in INDEX_FILES:
+        source = f"{plan.base.files_rel}/{shard}/{name}"
+        if plan.location.exists(source):  # a parent built before the first-token table lacks it
+            plan.location.copy(source, f"{plan.files_rel}/{shard}/{name}")
     return [index]
 
 

@@ -25,7 +25,7 @@ from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_files
 from specstore.runtime.store import Store, checksum_files, location_sha256
-from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
+from specstore.runtime.suffix_array import INDEX_FILES
 from specstore.schemas.manifest import FileInfo, Lineage, Manifest, SourceInfo
 from specstore.schemas.tables import tokens_schema
 
@@ -87,11 +87,11 @@ def _index_files(plan: BuildPlan) -> list[str]:
     """The stream and suffix array files of the version (every shard's, when sharded), relative to the store."""
     if not plan.remote:
         folder, root = Path(plan.files_dir), Path(plan.store_root)
-        listed = shard_files(folder) or [folder / STREAM_FILE, folder / SA_FILE]
+        listed = shard_files(folder) or [folder / n for n in INDEX_FILES]
         return [p.relative_to(root).as_posix() for p in listed]
     shards = files.version_rel(plan, SHARDS_DIR)
-    found = sorted(rel for rel, is_file, _, _ in plan.location.walk(shards) if is_file and rel.rsplit("/", 1)[-1] in (STREAM_FILE, SA_FILE))
-    return found or [files.version_rel(plan, STREAM_FILE), files.version_rel(plan, SA_FILE)]
+    found = sorted(rel for rel, is_file, _, _ in plan.location.walk(shards) if is_file and rel.rsplit("/", 1)[-1] in INDEX_FILES)
+    return found or [files.version_rel(plan, n) for n in INDEX_FILES]
 
 
 def _checksums(plan: BuildPlan, rels: list[str]) -> dict[str, FileInfo]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE, Match, SuffixIndex
+from specstore.runtime.suffix_array import INDEX_FILES, Match, SuffixIndex
 
 SHARDS_DIR = "shards"
 
@@ -34,7 +34,7 @@ def shard_files(folder: Path) -> list[Path]:
     root = folder / SHARDS_DIR
     if not root.is_dir():
         return []
-    return [d / n for d in sorted(root.iterdir()) for n in (STREAM_FILE, SA_FILE)]
+    return [d / n for d in sorted(root.iterdir()) for n in INDEX_FILES if (d / n).is_file()]
 
 
 @dataclass(slots=True)

@@ -19,8 +19,12 @@ from specstore.schemas.tables import PAD_TOKEN
 SEPARATOR = PAD_TOKEN  # never a real token id, so no pattern of real tokens can match across it
 STREAM_FILE = "stream.npy"
 SA_FILE = "suffix_array.npy"
-_GATHER_MAX = 4096  # intervals up to this size are narrowed by one vectorised gather
-_BLOCK = 1 << 22  # suffix-array entries gathered at once when the per-rank tokens are first built
+FIRST_FILE = "first_token_ranks.npy"  # where each first token's ranks start (vocabulary-sized)
+INDEX_FILES = (STREAM_FILE, SA_FILE, FIRST_FILE)  # a suffix index's files (versions before 2026-12 lack FIRST_FILE)
+_GATHER_MAX = 2048  # intervals up to this size are narrowed by one vectorised gather
+_SAMPLES = 256  # ranks sampled per round when bisecting a larger interval
+_MATCH_MAX = 64  # intervals up to this size compare the rest of a pattern in one gather
+_CACHE_MAX = 1 << 16  # narrowed intervals remembered (~16 MB at most)
 
 
 def join_documents(documents: Iterable[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -59,17 +63,38 @@ def build_suffix_array(stream: np.ndarray) -> np.ndarray:
     return np.asarray(sa, dtype=dtype)
 
 
+def first_token_ranks(stream: np.ndarray) -> np.ndarray:
+    """int64 ``[max id + 3]``: the suffixes starting with token ``t`` (``t >= -1``, SEPARATOR
+    included) are the SA ranks ``[ranks[t + 1], ranks[t + 2])``; the last entry is the stream's
+    length. What the first level of every search would otherwise bisect for."""
+    stream = np.asarray(stream)
+    counts = np.bincount(stream.astype(np.int64) + 1) if stream.size else np.zeros(1, dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
 def save_suffix_index(folder: Path, stream: np.ndarray, sa: np.ndarray) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / STREAM_FILE, np.asarray(stream, dtype=np.int32))
     np.save(folder / SA_FILE, sa)
-    return [STREAM_FILE, SA_FILE]
+    np.save(folder / FIRST_FILE, first_token_ranks(stream))
+    return list(INDEX_FILES)
 
 
 def _bounds(block: np.ndarray, offset: int, token: int) -> tuple[int, int]:
     """``offset +`` the range of ``token`` in the sorted ``block`` (key cast to its dtype)."""
     key = block.dtype.type(token)
     return offset + int(np.searchsorted(block, key, "left")), offset + int(np.searchsorted(block, key, "right"))
+
+
+def _usable_ranks(ranks: np.ndarray | None, n: int) -> np.ndarray | None:
+    """``first_token_ranks`` when it fits a stream of ``n`` entries (1-D, from 0 to ``n``, never
+    falling), else None: a damaged or missing table costs the shortcut, never a wrong range."""
+    if ranks is None:
+        return None
+    ranks = np.asarray(ranks)
+    if ranks.ndim != 1 or ranks.size < 2 or ranks.dtype.kind not in "iu" or ranks[0] != 0 or ranks[-1] != n:
+        return None
+    return ranks.astype(np.int64) if bool(np.all(ranks[1:] >= ranks[:-1])) else None
 
 
 @dataclass(slots=True)
@@ -92,103 +117,118 @@ class SuffixIndex:
     draft id: a suffix-array entry outside ``[0, len(stream))`` is skipped (its rank has no
     tokens), and a continuation ends at its first token outside ``[0, vocab_size)`` (any
     negative id when ``vocab_size`` is None). Nothing is read at construction but the arrays'
-    lengths; the per-rank first and second tokens are gathered on the first search."""
+    lengths, and nothing is gathered or cached per rank: a search reads O(log n) sampled
+    entries, so the first search is as fast as any and memory beyond the page cache stays flat.
 
-    def __init__(self, stream: np.ndarray, sa: np.ndarray, vocab_size: int | None = None):
+    Narrowing an interval to the suffixes with a given token at a given depth reads the tokens
+    at that depth of ``samples`` evenly spaced ranks at once (two vectorised gathers), keeps the
+    segment between the samples that brackets each bound, and repeats until a segment holds at
+    most ``gather_max`` ranks, which are gathered whole; once the interval itself is that small,
+    the rest of the pattern is compared in one gather of all its remaining depths."""
+
+    def __init__(self, stream: np.ndarray, sa: np.ndarray, vocab_size: int | None = None,
+                 first_ranks: np.ndarray | None = None):
         if len(stream) != len(sa):
             raise ValueError(f"stream has {len(stream)} entries but suffix array {len(sa)}")
         self.stream = stream
         self.sa = sa
         self.vocab_size = vocab_size
         self._n = len(stream)
-        self._first_tokens: np.ndarray | None = None
-        self._second_tokens: np.ndarray | None = None
-        self._sa_in_range: bool | None = None  # every SA entry in [0, n): set with the first tokens
+        self._stream, self._sa = np.asarray(stream), np.asarray(sa)  # plain views: no memmap overhead per call
+        self.first_ranks = _usable_ranks(first_ranks, self._n)
+        self.gather_max = _GATHER_MAX
+        self.samples = _SAMPLES
+        self.match_max = _MATCH_MAX
+        # (lo, hi, depth, token) -> narrowed interval, for intervals wider than ``match_max``
+        # (see _narrow); at most _CACHE_MAX entries
+        self._cache: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
-    def _gather(self, raw: np.ndarray, depth: int) -> np.ndarray:
-        """The token ``depth`` places after each suffix start in ``raw`` (SA entries), int32;
-        -2 (sorts first) past the end or where the entry is out of range."""
-        starts = np.asarray(raw, dtype=np.int64)
-        if self._sa_in_range:  # the usual case, known since the first search: no per-entry check
-            pos = starts + depth
-            return np.where(pos < self._n, np.asarray(self.stream)[np.minimum(pos, self._n - 1)], -2)
-        # one unsigned compare: 0 <= start < n - depth (a negative start wraps to a huge value)
-        inside = starts.view(np.uint64) < max(self._n - depth, 0)
-        tokens = np.asarray(self.stream)[np.where(inside, starts + depth, 0)]
-        return np.where(inside, tokens, -2)  # int32 (the stream's dtype, checked on open)
+    def _gather(self, raw: np.ndarray, depth: int | np.ndarray) -> np.ndarray:
+        """The token ``depth`` places after each suffix start in ``raw`` (SA entries); ``depth``
+        may be an array that broadcasts against ``raw`` (one gather of several depths).
 
-    def _gather_all(self, depth: int) -> np.ndarray:
-        """``_gather`` over the whole suffix array, in blocks (bounded temporaries at any size)."""
-        out = np.empty(self._n, dtype=np.int32)
-        in_range = True
-        for lo in range(0, self._n, _BLOCK):
-            block = np.asarray(self.sa[lo : lo + _BLOCK])
-            in_range = in_range and bool(block.min() >= 0 and block.max() < self._n)
-            out[lo : lo + _BLOCK] = self._gather(block, depth)
-        self._sa_in_range = in_range
-        return out
-
-    @property
-    def _first(self) -> np.ndarray:
-        """First token of every suffix, in SA order: lets the first step be one vectorised searchsorted."""
-        if self._first_tokens is None:
-            self._first_tokens = self._gather_all(0)
-        return self._first_tokens
-
-    @property
-    def _second(self) -> np.ndarray:
-        """Second token of every suffix, in SA order (-2 past the end): within a first-token
-        interval it is sorted, so depth 1 is one searchsorted in C, not a Python bisection over
-        memory-mapped entries (milliseconds per step at millions of tokens)."""
-        if self._second_tokens is None:
-            self._second_tokens = self._gather_all(1)
-        return self._second_tokens
+        No per-entry check: in an intact array every suffix of an interval being narrowed has
+        its next ``depth`` tokens before the stream's final separator (they equal pattern
+        tokens, never a separator), so positions are in range; on a damaged one, ``clip`` keeps
+        every read inside the stream and a wrong token only costs the match."""
+        return self._stream.take(raw + depth, mode="clip")
 
     @classmethod
     def load(cls, folder: Path, *, mmap: bool = True, vocab_size: int | None = None) -> SuffixIndex:
         mode = "r" if mmap else None
-        return cls(np.load(folder / STREAM_FILE, mmap_mode=mode), np.load(folder / SA_FILE, mmap_mode=mode), vocab_size)
+        first = np.load(folder / FIRST_FILE) if (folder / FIRST_FILE).is_file() else None  # vocabulary-sized
+        return cls(np.load(folder / STREAM_FILE, mmap_mode=mode), np.load(folder / SA_FILE, mmap_mode=mode), vocab_size, first)
 
     def __len__(self) -> int:
         return self._n
 
-    def _token_at(self, rank: int, depth: int) -> int:
-        start = int(self.sa[rank])
-        pos = start + depth
-        return int(self.stream[pos]) if 0 <= start and pos < self._n else -2  # past the end sorts first
+    def _bound(self, lo: int, hi: int, depth: int, token: int, side: str) -> int:
+        """The first rank in [lo, hi) whose token at ``depth`` is >= ``token`` (side "left") or
+        > ``token`` (side "right"); the ranks are sorted by that token."""
+        while hi - lo > self.gather_max:
+            lo, hi = self._bracket(lo, hi, depth, token, (side,))[0]
+        tokens = self._gather(self._sa[lo:hi], depth)
+        return lo + int(np.searchsorted(tokens, tokens.dtype.type(token), side))
+
+    def _bracket(self, lo: int, hi: int, depth: int, token: int, sides: tuple[str, ...]) -> list[tuple[int, int]]:
+        """One round of sampled bisection: for each side, the segment of [lo, hi] that holds
+        that bound, between the last sample below it and the first that is not."""
+        ranks = lo + (np.arange(1, self.samples, dtype=np.int64) * (hi - lo)) // self.samples
+        tokens = self._gather(self._sa.take(ranks), depth)
+        out = []
+        for side in sides:
+            i = int(np.searchsorted(tokens, tokens.dtype.type(token), side))
+            out.append((int(ranks[i - 1]) + 1 if i > 0 else lo, int(ranks[i]) if i < ranks.size else hi))
+        return out
 
     def _narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
-        """Within [lo, hi) (suffixes sharing ``depth`` tokens), the sub-interval whose next token is ``token``."""
-        if depth == 1:
-            return _bounds(self._second[lo:hi], lo, token)
-        if hi - lo <= _GATHER_MAX:  # small interval: gather its tokens at ``depth`` at once
-            return _bounds(self._gather(self.sa[lo:hi], depth), lo, token)
-        a, b = lo, hi
-        while a < b:  # first rank with token_at >= token
-            mid = (a + b) // 2
-            if self._token_at(mid, depth) < token:
-                a = mid + 1
-            else:
-                b = mid
-        start, b = a, hi
-        while a < b:  # first rank with token_at > token
-            mid = (a + b) // 2
-            if self._token_at(mid, depth) <= token:
-                a = mid + 1
-            else:
-                b = mid
-        return start, a
+        """Within [lo, hi) (suffixes sharing ``depth`` tokens), the sub-interval whose next token
+        is ``token``: both bounds from one gather when the interval is small, else from one
+        shared round of samples and then each bound in its own segment. Intervals wider than
+        ``match_max`` are remembered (bounded): common prefixes recur, and a decode re-asks its
+        own at every step."""
+        remember = hi - lo > self.match_max
+        if remember and (found := self._cache.get((lo, hi, depth, token))) is not None:
+            return found
+        if hi - lo <= self.gather_max:
+            tokens = self._gather(self._sa[lo:hi], depth)
+            key = tokens.dtype.type(token)
+            found = lo + int(np.searchsorted(tokens, key, "left")), lo + int(np.searchsorted(tokens, key, "right"))
+        else:
+            left, right = self._bracket(lo, hi, depth, token, ("left", "right"))
+            found = self._bound(*left, depth, token, "left"), self._bound(*right, depth, token, "right")
+        if remember:
+            if len(self._cache) >= _CACHE_MAX:
+                self._cache.clear()  # bounded; refilled by the next searches
+            self._cache[(lo, hi, depth, token)] = found
+        return found
+
+    def _match_rest(self, lo: int, hi: int, depth: int, rest: list[int]) -> tuple[int, int]:
+        """Within a small [lo, hi) sharing ``depth`` tokens, the ranks whose next tokens are
+        ``rest``: one gather of all remaining depths, then the run of equal rows (sorted ranks
+        make it contiguous; on a damaged array the first and last equal rows bound it)."""
+        window = self._gather(self._sa[lo:hi, None], depth + np.arange(len(rest))[None, :])
+        equal = np.flatnonzero((window == np.asarray(rest, dtype=window.dtype)).all(axis=1))
+        if equal.size == 0:
+            at = lo + int(np.searchsorted(window[:, 0], window.dtype.type(rest[0]), "left"))
+            return at, at
+        return lo + int(equal[0]), lo + int(equal[-1]) + 1
 
     def find(self, pattern: Sequence[int]) -> Match:
         """The SA interval of suffixes starting with ``pattern`` (empty interval if absent)."""
         pattern = [int(t) for t in pattern]
         if not pattern or self._n == 0:
             return Match(0, 0, self._n)
-        first = self._first.dtype.type(pattern[0])  # a Python int key would cast the whole array
-        lo = int(np.searchsorted(self._first, first, side="left"))
-        hi = int(np.searchsorted(self._first, first, side="right"))
-        for depth in range(1, len(pattern)):
+        lo, hi, depth = 0, self._n, 0
+        if self.first_ranks is not None:
+            at = pattern[0] + 1
+            lo, hi = (int(self.first_ranks[at]), int(self.first_ranks[at + 1])) if 0 <= at < len(self.first_ranks) - 1 else (0, 0)
+            depth = 1
+        for depth in range(depth, len(pattern)):
             if lo >= hi:
+                break
+            if hi - lo <= self.match_max and len(pattern) - depth > 1:
+                lo, hi = self._match_rest(lo, hi, depth, pattern[depth:])
                 break
             lo, hi = self._narrow(lo, hi, depth, pattern[depth])
         return Match(len(pattern), lo, hi)
@@ -230,24 +270,20 @@ class SuffixIndex:
         With ``return_offsets``, also the stream offset where each row starts (int64 [num_matches])."""
         if max_matches is not None and spread and match.count > max_matches:
             ranks = match.lo + (np.arange(max_matches, dtype=np.int64) * match.count) // max_matches
-            starts = np.asarray(self.sa[ranks], dtype=np.int64) + match.length
+            starts = self._sa.take(ranks).astype(np.int64) + match.length
         else:
             hi = match.hi if max_matches is None else min(match.hi, match.lo + max_matches)
-            starts = np.asarray(self.sa[match.lo : hi], dtype=np.int64) + match.length
+            starts = self._sa[match.lo : hi].astype(np.int64) + match.length
         if starts.size == 0 or length <= 0:
             out = np.zeros((starts.size, max(length, 0)), dtype=np.int32)
             return (out, starts) if return_offsets else out
-        if not self._sa_in_range:  # a damaged suffix array: a row whose entry is out of range reads nothing
-            starts_checked = np.where((starts - match.length).view(np.uint64) < np.uint64(self._n), starts, self._n)
-        else:
-            starts_checked = starts
+        # a damaged suffix array: a row whose entry is out of range reads nothing
+        starts_checked = np.where((starts - match.length).view(np.uint64) < np.uint64(self._n), starts, self._n)
         idx = starts_checked[:, None] + np.arange(length)[None, :]
-        inside = idx < self._n
-        out = np.asarray(self.stream)[np.minimum(idx, self._n - 1)].astype(np.int32)
-        out[~inside] = SEPARATOR
+        out = self._stream.take(idx, mode="clip").astype(np.int32, copy=False)
+        out[idx >= self._n] = SEPARATOR
         # a separator, a negative id or one past the vocabulary (a damaged stream) ends the row:
         # negative int32 ids are huge as uint32, so one unsigned compare finds them all
         limit = np.uint32(self.vocab_size if self.vocab_size is not None else 2**31 - 1)
-        ended = np.cumsum(out.view(np.uint32) >= limit, axis=1) > 0
-        out[ended] = SEPARATOR
+        out[np.logical_or.accumulate(out.view(np.uint32) >= limit, axis=1)] = SEPARATOR
         return (out, starts) if return_offsets else out

@@ -96,3 +96,67 @@ def test_empty_and_invalid_inputs():
         join_documents([[1, -3]])
     with pytest.raises(ValueError):
         SuffixIndex(np.zeros(3, np.int32), np.zeros(2, np.int32))
+
+
+@pytest.mark.parametrize(("gather_max", "samples"), [(2, 3), (4, 4), (7, 16), (2048, 256)])
+def test_sampled_bisection_finds_every_interval_exactly(gather_max, samples):
+    """Large intervals are narrowed by sampled bisection, small ones by one gather of the rest
+    of the pattern: with tiny thresholds every level of a random stream takes the sampled path,
+    and every n-gram's interval must still equal the brute-force occurrences."""
+    rng = np.random.default_rng(gather_max + samples)
+    docs = [rng.integers(0, 3, size=n) for n in (300, 120, 1, 0, 80)]
+    stream, _ = join_documents(docs)
+    index = SuffixIndex(stream, build_suffix_array(stream))
+    index.gather_max, index.samples = gather_max, samples
+    for n in (1, 2, 3, 5, 8):
+        for _ in range(40):
+            doc = docs[int(rng.integers(0, 2))]
+            i = int(rng.integers(0, len(doc) - n))
+            pattern = doc[i : i + n].tolist()
+            found = index.find(pattern)
+            assert found.length == n
+            assert sorted(index.sa[found.lo : found.hi].tolist()) == brute_positions(stream, pattern)
+        absent = [3] + rng.integers(0, 3, size=n - 1).tolist()  # 3 never occurs
+        assert index.find(absent).count == 0
+    ctx = docs[0][-20:].tolist()
+    m = index.longest_suffix_match(ctx, max_len=12, min_len=2)
+    best = max(k for k in range(2, 13) if brute_positions(stream, ctx[-k:]))
+    assert m.length == best
+
+
+def test_a_shuffled_suffix_array_costs_matches_not_a_crash():
+    """Sampled bisection assumes sorted ranks; on a damaged (shuffled, out-of-range) array it
+    must still return intervals inside the array and continuations of real tokens only."""
+    rng = np.random.default_rng(5)
+    stream, _ = join_documents([rng.integers(0, 4, size=500)])
+    sa = build_suffix_array(stream)
+    rng.shuffle(sa)
+    sa[::7] = rng.integers(-10**6, 10**6, size=sa[::7].shape)
+    index = SuffixIndex(stream, sa, vocab_size=4)
+    index.gather_max, index.samples = 4, 5
+    for _ in range(100):
+        pattern = rng.integers(0, 4, size=int(rng.integers(1, 6))).tolist()
+        m = index.find(pattern)
+        assert 0 <= m.lo <= m.hi <= len(stream)
+        rows = index.continuations(m, 4, max_matches=50, spread=True)
+        assert rows.shape[1] == 4 and (((rows >= 0) & (rows < 4)) | (rows == SEPARATOR)).all()
+
+
+def test_first_token_ranks_give_every_first_level_interval(tmp_path):
+    rng = np.random.default_rng(11)
+    docs = [rng.integers(0, 9, size=n) for n in (50, 0, 30, 7)]
+    stream, _ = join_documents(docs)
+    sa = build_suffix_array(stream)
+    assert "first_token_ranks.npy" in save_suffix_index(tmp_path, stream, sa)
+    with_table = SuffixIndex.load(tmp_path)
+    without = SuffixIndex(stream, sa)
+    assert with_table.first_ranks is not None and without.first_ranks is None
+    for pattern in [[t] for t in range(-1, 12)] + [docs[0][i : i + 3].tolist() for i in range(40)] + [[8, 9], [99, 1]]:
+        a, b = with_table.find(pattern), without.find(pattern)
+        assert a.count == b.count == len(brute_positions(stream, pattern))
+        if a.count:
+            assert (a.lo, a.hi) == (b.lo, b.hi)
+    # a damaged table (not from 0 to n, or falling) is not used: it costs the shortcut only
+    bad = np.load(tmp_path / "first_token_ranks.npy")
+    for damaged in (bad[::-1].copy(), np.where(np.arange(bad.size) == 3, 10**9, bad), bad[:-1]):
+        assert SuffixIndex(stream, sa, first_ranks=damaged).first_ranks is None

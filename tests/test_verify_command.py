@@ -44,7 +44,8 @@ def test_open_reads_headers_only_and_verify_names_the_damaged_file(tmp_path, mon
     _no_hashing(monkeypatch)
     ds = Datastore.open(store, "code", loaded.info, dense=False)
     assert len(ds.suffix) == manifest.num_tokens + manifest.num_documents
-    assert ds.suffix._first_tokens is None and ds.suffix._second_tokens is None  # nothing gathered yet
+    assert isinstance(ds.suffix.sa, np.memmap) and isinstance(ds.suffix.stream, np.memmap)  # mapped, not read
+    assert not ds.suffix._cache  # nothing searched or gathered yet
     monkeypatch.undo()
     with pytest.raises(ChecksumError, match="suffix_array.npy fails its checksum"):
         Datastore.open(store, "code", loaded.info, verify=True, dense=False)  # verify=True: full hashes
