@@ -137,6 +137,87 @@ def _decode(data: bytes) -> tuple[str | None, str | None]:
         return None, f"not UTF-8 (byte {exc.start})"
 
 
+CHUNK_BYTES = 8 << 20  # a plain JSONL file is read in chunks of about this size
+CHUNK_FILES = 256  # a code directory is read this many files at a time
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A part of a source that one worker reads on its own: lines from byte ``start`` to
+    ``end`` of a plain JSONL file (``first_record`` records and ``first_line`` lines precede it),
+    files ``start`` to ``end`` of a code directory, or (``end`` None) the whole source."""
+
+    source: Source
+    start: int = 0
+    end: int | None = None
+    first_record: int = 0
+    first_line: int = 1
+    num_records: int | None = None  # records in the chunk, when the plan counted them
+
+
+def plan_chunks(source: Source, chunk_bytes: int | None = None, chunk_files: int | None = None) -> list[Chunk]:
+    """The chunks of a source, in order, each with the record count that precedes it, so that
+    workers read a large source in parallel and number its records as one reader would. A
+    compressed file or a text file is one chunk. Reads the source once (line breaks only)."""
+    chunk_bytes, chunk_files = chunk_bytes or CHUNK_BYTES, chunk_files or CHUNK_FILES
+    path = Path(source.path)
+    if source.format == "code-dir":
+        n = len(code_files(path))
+        return [Chunk(source, a, min(a + chunk_files, n), a, 1, min(a + chunk_files, n) - a) for a in range(0, n, chunk_files)] or [
+            Chunk(source, 0, 0, 0, 1, 0)]
+    if source.format == "text":
+        return [Chunk(source, num_records=1)]
+    with open(path, "rb") as probe:
+        if probe.read(2) == _GZIP_MAGIC:
+            return [Chunk(source)]  # no random access into a gzip stream
+    chunks, start, first_record, first_line, records, line_no, offset = [], 0, 0, 1, 0, 0, 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            line_no += 1
+            offset += len(line)
+            records += bool(line.strip())
+            if offset - start >= chunk_bytes:
+                chunks.append(Chunk(source, start, offset, first_record, first_line, records - first_record))
+                start, first_record, first_line = offset, records, line_no + 1
+    if offset > start or not chunks:
+        chunks.append(Chunk(source, start, offset, first_record, first_line, records - first_record))
+    return chunks
+
+
+def read_chunk(chunk: Chunk, limit: int | None = None) -> Iterator[RawRecord]:
+    """The records of one chunk, numbered as ``read_records`` numbers them in the whole source;
+    none at or beyond ``limit``."""
+    source = chunk.source
+    if chunk.end is None:
+        yield from read_records(source, limit)
+        return
+    if source.format == "code-dir":
+        path = Path(source.path)
+        for index, f in enumerate(code_files(path)[chunk.start : chunk.end], start=chunk.start):
+            if limit is not None and index >= limit:
+                return
+            yield _text_record(source, index, f.relative_to(path).as_posix(), f)
+        return
+    count = chunk.first_record
+    try:
+        with open(source.path, "rb") as handle:
+            handle.seek(chunk.start)
+            position, line_no = chunk.start, chunk.first_line
+            while position < chunk.end:
+                line = handle.readline()
+                if not line:
+                    break
+                position += len(line)
+                if line.strip():
+                    if limit is not None and count >= limit:
+                        return
+                    yield _json_record(source, count, f"line {line_no}", line)
+                    count += 1
+                line_no += 1
+    except OSError as exc:
+        yield RawRecord(source.index, count, "end of file", error=f"unreadable: {exc}")
+
+
 def read_records(source: Source, limit: int | None = None) -> Iterator[RawRecord]:
     """The numbered records of a source, at most ``limit`` of them.
 

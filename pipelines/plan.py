@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specstore.pipelines import append
 from specstore.pipelines.append import BaseVersion
-from specstore.pipelines.corpus import Source, resolve_sources, source_sha256
+from specstore.pipelines.corpus import Chunk, Source, plan_chunks, resolve_sources, source_sha256
 from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, refit_paths
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
@@ -43,6 +43,7 @@ class BuildPlan:
     files_dir: str  # the version's files folder: a local path, or a URI in a remote store
     sources: tuple[Source, ...]  # what this build reads (an append: only the sources its parent lacks)
     model_path: str
+    chunks: tuple[Chunk, ...] = ()  # the sources' parts that workers read on their own (corpus.plan_chunks)
     source_hashes: tuple[str, ...] = ()  # content hash of each source, in the same order
     model_info: ModelInfo | None = None  # the model's fingerprint (set once it is loaded), recorded in the manifest
     mode: str = "full"  # full | append | refit (lineage.MODES)
@@ -192,7 +193,9 @@ def plan_build(
         unchanged = not plan.sources
     else:
         unchanged = parent is not None and not force and fingerprint(parent.manifest) == plan.fingerprint()
-    return replace(plan, unchanged=parent) if unchanged else plan
+    if unchanged:
+        return replace(plan, unchanged=parent)
+    return replace(plan, chunks=tuple(c for s in plan.sources for c in plan_chunks(s)))
 
 
 def single_process(runner: str, beam_args: list[str] | None) -> bool:

@@ -29,6 +29,18 @@ class Document:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenRef:
+    """Where a document's tokens were spilled: ``length`` tokens at ``offset`` of the staging
+    file ``file`` (relative to the version's files folder). What the suffix-array steps carry
+    instead of the tokens, so no stage holds the whole corpus's tokens at once."""
+
+    doc_id: int
+    length: int
+    file: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """A chat prompt the model answers itself (``--regenerate``): ``tokens`` int32 [T]."""
 

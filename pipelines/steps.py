@@ -20,7 +20,7 @@ from specstore.pipelines.embed import StagedBatch, embed_documents, generate_res
 from specstore.pipelines.layout import StreamLayout
 from specstore.pipelines.normalise import NormStats, sample_rows
 from specstore.pipelines.plan import BuildPlan
-from specstore.pipelines.render import Document, Rejection, prepare_batch
+from specstore.pipelines.render import Document, Rejection, TokenRef, prepare_batch
 from specstore.runtime.normaliser import Normaliser
 
 
@@ -45,6 +45,44 @@ class PrepareFn(beam.DoFn):
                 yield item
             else:
                 yield beam.pvalue.TaggedOutput("prompts", item)
+
+
+SPILL_TOKENS = 4 << 20  # tokens per spill file (16 MiB of int32)
+
+
+class SpillTokensFn(beam.DoFn):
+    """Documents -> TokenRefs: each bundle's tokens go to staging files of about SPILL_TOKENS
+    tokens, read back by the worker that builds the suffix array (or its shard). Keeps the
+    corpus's tokens out of every collection the runner holds between stages."""
+
+    def __init__(self, plan: BuildPlan):
+        self.plan = plan
+
+    def start_bundle(self):
+        self._docs: list[Document] = []
+        self._tokens = 0
+
+    def process(self, doc: Document):
+        self._docs.append(doc)
+        self._tokens += len(doc.tokens)
+        if self._tokens >= SPILL_TOKENS:
+            yield from self._flush()
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindows
+
+        for ref in self._flush():
+            yield GlobalWindows.windowed_value(ref)
+
+    def _flush(self) -> list[TokenRef]:
+        docs, self._docs, self._tokens = self._docs, [], 0
+        if not docs:
+            return []
+        rel = f"{self.plan.staging_name}/tokens-{docs[0].doc_id}-{uuid.uuid4().hex[:8]}.npy"
+        with files.output(self.plan, rel) as path:
+            np.save(path, np.concatenate([np.asarray(d.tokens, dtype=np.int32) for d in docs]))
+        offsets = np.cumsum([0] + [len(d.tokens) for d in docs[:-1]]).tolist()
+        return [TokenRef(d.doc_id, len(d.tokens), rel, o) for d, o in zip(docs, offsets, strict=True)]
 
 
 class GenerateFn(beam.DoFn):

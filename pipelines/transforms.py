@@ -19,7 +19,7 @@ import apache_beam as beam
 from apache_beam.pvalue import AsDict, AsList, AsSingleton, PCollection
 
 from specstore.pipelines import append, files, steps, writers
-from specstore.pipelines.corpus import read_records
+from specstore.pipelines.corpus import Chunk, read_chunk
 from specstore.pipelines.embed import padded_width, plan_batches
 from specstore.pipelines.layout import StreamLayout, assign_shards
 from specstore.pipelines.plan import BuildPlan
@@ -80,19 +80,26 @@ class _Batch(beam.PTransform):
 
 
 def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
+    # the sources' chunks, spread over workers, each read on its own: no stage holds the
+    # corpus's text (a side input or a shuffle of records would)
+    chunks = list(plan.chunks) or [Chunk(s) for s in plan.sources]
     records = (
         p
-        | "Sources" >> beam.Create(list(plan.sources))
-        | "ReadRecords" >> beam.FlatMap(read_records, limit=plan.max_docs)
+        | "Chunks" >> beam.Create(chunks)
+        | "SpreadChunks" >> beam.Reshuffle()
+        | "ReadRecords" >> beam.FlatMap(read_chunk, limit=plan.max_docs)
     )
     if plan.max_docs is not None:
         per_source = records | "CountForLimit" >> beam.Map(lambda r: (r.source_index, 1)) | beam.CombinePerKey(sum)
         records = records | "FirstN" >> beam.Filter(_first_n, counts=AsDict(per_source), n=plan.max_docs)
+    counted = all(c.num_records is not None for c in chunks)
+    record_total = None if not (plan.progress and plan.in_process) else (
+        min(sum(c.num_records for c in chunks), plan.max_docs if plan.max_docs is not None else 1 << 62) if counted
+        else _total(plan, records, "Records", lambda r: 1))
     prepared = (
         records
-        | "SpreadRecords" >> beam.Reshuffle()
         | "BatchRecords" >> beam.BatchElements(min_batch_size=PREPARE_BATCH, max_batch_size=PREPARE_BATCH)
-        | "RenderTokenise" >> beam.ParDo(steps.PrepareFn(plan), total=_total(plan, records, "Records", lambda r: 1))
+        | "RenderTokenise" >> beam.ParDo(steps.PrepareFn(plan), total=record_total)
         .with_outputs("rejected", "prompts", main="documents")
     )
     documents = prepared.documents
@@ -120,24 +127,24 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
                 | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
                 | "FitNormaliser" >> beam.Map(writers.fit_and_save, plan=plan)
             )
+    refs = documents | "SpillTokens" >> beam.ParDo(steps.SpillTokensFn(plan))  # tokens to staging files
     if plan.sa_shard_tokens is None:  # one suffix array: the whole token stream meets on one worker
         layout = (
-            documents
-            | "DocTokens" >> beam.Map(lambda d: (d.doc_id, d.tokens))
+            refs
             | "CollectStream" >> beam.combiners.ToList()
             | "SuffixArray" >> beam.Map(writers.write_stream, plan=plan)
         )
         shards_done = p | "NoShards" >> beam.Create([])
     else:  # only lengths meet on one worker; each shard's tokens meet on the worker that sorts them
         layout = (
-            documents
-            | "DocLengths" >> beam.Map(lambda d: (d.doc_id, len(d.tokens)))
+            refs
+            | "DocLengths" >> beam.Map(lambda r: (r.doc_id, r.length))
             | "CollectLengths" >> beam.combiners.ToList()
             | "AssignShards" >> beam.Map(assign_shards, max_tokens=plan.sa_shard_tokens, base=plan.base)
         )
         built = (
-            documents
-            | "KeyByShard" >> beam.Map(lambda d, lay: (lay.shard_of[d.doc_id], (d.doc_id, d.tokens)), lay=AsSingleton(layout))
+            refs
+            | "KeyByShard" >> beam.Map(lambda r, lay: (lay.shard_of[r.doc_id], r), lay=AsSingleton(layout))
             | "GroupShards" >> beam.GroupByKey()
             | "ShardSuffixArrays" >> beam.Map(writers.write_shard, plan=plan, layout=AsSingleton(layout))
         )

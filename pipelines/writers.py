@@ -21,7 +21,7 @@ from specstore.pipelines.files import local_copy, output
 from specstore.pipelines.layout import StreamLayout, stream_layout
 from specstore.pipelines.normalise import NormStats, fit_normaliser
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
-from specstore.pipelines.render import Rejection
+from specstore.pipelines.render import Rejection, TokenRef
 from specstore.pipelines.rows import rows_table
 from specstore.pipelines.summary import WrittenFragment
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
@@ -49,10 +49,25 @@ def reuse_normaliser(_, plan: BuildPlan) -> Normaliser:
     return normaliser
 
 
-def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> StreamLayout:
+def load_tokens(refs: list[TokenRef], plan: BuildPlan) -> list[tuple[int, np.ndarray]]:
+    """The spilled tokens of ``refs`` as ``(doc_id, tokens)`` in doc_id order, reading each
+    staging file once (memory-mapped when local)."""
+    by_file: dict[str, list[TokenRef]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.file, []).append(ref)
+    out = []
+    for rel, group in by_file.items():
+        with local_copy(plan.location.child(f"{plan.files_rel}/{rel}") if plan.remote else str(Path(plan.files_dir, rel)),
+                        dict(plan.storage_options)) as path:
+            tokens = np.load(path, mmap_mode="r")
+            out.extend((r.doc_id, np.array(tokens[r.offset : r.offset + r.length], dtype=np.int32)) for r in group)
+    return sorted(out, key=lambda d: d[0])
+
+
+def write_stream(refs: list[TokenRef], plan: BuildPlan) -> StreamLayout:
     """Join all documents in doc_id order (after the parent's stream, for an append), build and
     save the suffix array; return the layout."""
-    docs = sorted(docs, key=lambda d: d[0])
+    docs = load_tokens(refs, plan)
     layout = stream_layout([(doc, len(tokens)) for doc, tokens in docs], plan.base)
     stream, _ = join_documents([tokens for _, tokens in docs])
     if plan.base is not None:
@@ -64,11 +79,11 @@ def write_stream(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> StreamL
     return layout
 
 
-def write_shard(keyed: tuple[int, list[tuple[int, np.ndarray]]], plan: BuildPlan, layout: StreamLayout) -> int:
-    """One shard's stream and suffix array (built on the worker that holds only this shard); a
-    parent's shard that takes new documents is rebuilt from its stream followed by theirs."""
-    index, docs = keyed
-    docs = sorted(docs, key=lambda d: d[0])
+def write_shard(keyed: tuple[int, list[TokenRef]], plan: BuildPlan, layout: StreamLayout) -> int:
+    """One shard's stream and suffix array (built on the worker that reads only this shard's
+    tokens); a parent's shard that takes new documents is rebuilt from its stream followed by theirs."""
+    index, refs = keyed
+    docs = load_tokens(list(refs), plan)
     stream, _ = join_documents([tokens for _, tokens in docs])
     expected = layout.shards[index]
     if expected.base_length:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specstore.pipelines.corpus import Source, detect_format, read_records, resolve_sources, source_sha256
+from specstore.pipelines.corpus import Source, detect_format, plan_chunks, read_chunk, read_records, resolve_sources, source_sha256
 from specstore.runtime.errors import SpecstoreError
 
 
@@ -89,3 +89,38 @@ def test_resolve_sources_errors(tmp_path):
         resolve_sources([str(tmp_path / "a.txt")], "code-dir")
     [s] = resolve_sources([str(tmp_path / "a.txt")])
     assert s.format == "text" and s.index == 0
+
+
+def _as_read(records):
+    return [(r.source_index, r.record_index, r.origin, r.payload, r.error) for r in records]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 17, 64, 10**6])
+def test_chunks_read_exactly_what_one_reader_reads(tmp_path, chunk_bytes):
+    """Workers read a source's chunks on their own; together, and numbered, they must be the
+    records of one reader over the whole source: blank, broken and non-UTF-8 lines included."""
+    path = tmp_path / "a.jsonl"
+    lines = [json.dumps({"text": "x" * (i % 7), "i": i}).encode() for i in range(40)]
+    lines[5], lines[6], lines[20], lines[30] = b"", b"   ", b'{"text": broken', b'{"text": "caf\xe9"}'  # \xe9: not UTF-8
+    path.write_bytes(b"\n".join(lines) + b"\n" + b'{"text": "no newline at the end"}')
+    source = Source(2, str(path), "chat-jsonl")
+    chunks = plan_chunks(source, chunk_bytes=chunk_bytes)
+    assert (len(chunks) > 5) == (chunk_bytes < 100)
+    whole = _as_read(read_records(source))
+    assert _as_read(r for c in chunks for r in read_chunk(c)) == whole
+    assert sum(c.num_records for c in chunks) == len(whole) == 39
+    assert _as_read(r for c in chunks for r in read_chunk(c, limit=11)) == whole[:11]
+
+
+def test_code_dirs_are_chunked_by_files_and_gzip_is_one_chunk(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(7):
+        (src / f"m{i}.py").write_text(f"x = {i}\n")
+    source = Source(0, str(src), "code-dir")
+    chunks = plan_chunks(source, chunk_files=3)
+    assert [(c.start, c.end) for c in chunks] == [(0, 3), (3, 6), (6, 7)]
+    assert _as_read(r for c in chunks for r in read_chunk(c)) == _as_read(read_records(source))
+    gz = _jsonl(tmp_path / "g.jsonl.gz", [{"text": str(i)} for i in range(5)], gz=True)
+    [one] = plan_chunks(Source(1, str(gz), "chat-jsonl"), chunk_bytes=1)
+    assert one.end is None and len(list(read_chunk(one))) == 5

@@ -21,7 +21,7 @@ from specstore.runtime.models import load_model
 from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.sharded_suffix import shard_files
 from specstore.runtime.store import Store
-from specstore.runtime.suffix_array import SA_FILE, STREAM_FILE
+from specstore.runtime.suffix_array import INDEX_FILES
 from tests.datastore_helpers import CODE_RECORDS, PROMPTS
 from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
 
@@ -34,7 +34,7 @@ LOSSLESS = ("pld", "rest", "respec")
 
 def _index_files(store: Store, manifest) -> list[Path]:
     files = store.files_dir(manifest.name, manifest.build_id)
-    return shard_files(files) or [files / STREAM_FILE, files / SA_FILE]
+    return shard_files(files) or [files / n for n in INDEX_FILES]
 
 
 def _same_index(store_a: Store, a, store_b: Store, b) -> None:
@@ -75,6 +75,29 @@ def test_sparse_build_has_the_dense_builds_stream_and_suffix_array(pair, suffix)
     assert not list(store.root.glob(f"{Store.table_name(sparse.name, sparse.build_id)}*"))
     assert not any(NORMALISER_FILE in f or ".lance" in f for f in sparse.files)
     assert any(NORMALISER_FILE in f for f in dense.files)
+
+
+@pytest.mark.parametrize("shards", [None, SHARD_TOKENS])
+def test_many_chunks_and_spill_files_build_the_same_index(pair, tiny_model_dir, tmp_path, monkeypatch, shards):
+    """Workers read sources in chunks and spill tokens to staging files (so no stage holds the
+    corpus): with chunks of 64 bytes, two files per chunk and tiny spill files, the
+    stream, suffix array and first-token table equal those of the default build."""
+    from specstore.pipelines import corpus, plan, steps
+
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(corpus, "CHUNK_FILES", 2)
+    monkeypatch.setattr(steps, "SPILL_TOKENS", 50)
+    planned, spilled = [], []
+    monkeypatch.setattr(plan, "plan_chunks", lambda source: planned.extend(corpus.plan_chunks(source)) or corpus.plan_chunks(source))
+    flush = steps.SpillTokensFn._flush
+    monkeypatch.setattr(steps.SpillTokensFn, "_flush", lambda self: spilled.append(1) or flush(self))
+    store, built = pair
+    other = Store(tmp_path / "s", create=True)
+    manifest = build(other, "sparse", CORPUS, model=tiny_model_dir, index="sparse", sa_shard_tokens=shards,
+                     **BUILD_OPTIONS).manifest
+    assert len(planned) > 6 and len(spilled) > 6  # really many chunks and spill files
+    _same_index(store, built["sparse" + ("-sh" if shards else "")], other, manifest)
+    assert not (other.files_dir("sparse", manifest.build_id) / "_staging").exists()  # spill files gone with the staging
 
 
 def test_sparse_build_never_loads_the_model(tiny_model_dir, tmp_path, monkeypatch):
