@@ -1,9 +1,9 @@
 """Verification cost model: seconds per target forward over a draft tree of ``n`` nodes at a
 context of ``c`` cached tokens, for one loaded model, device, dtype and torch build.
 
-Owns measuring it (a few timed forwards through the TreeVerifier: warm-up first, then the
-median of repeats at node counts 0 (plain decoding), 1, 2, 4, ... 64 and at two context
-lengths), the fit (per context, a least-squares line in nodes with a non-negative slope; linear
+Owns measuring it (a few timed verification steps through the TreeVerifier, the forward and
+everything around it: warm-up first, then the median of repeats at node counts 0 (plain
+decoding), 1, 2, 4, ... 64 and at two context lengths), the fit (per context, a least-squares line in nodes with a non-negative slope; linear
 between contexts), and the JSON cache under
 ``cache_dir()/cost``, keyed by the model's hash, the device, the dtype, torch's version and
 (on the CPU) its thread count. A corrupt or mismatched cache file is measured again;
@@ -35,7 +35,7 @@ from specstore.runtime.tree import DraftTree
 NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024)
 REPEATS = 7
-VERSION = 1  # of the cache file's layout
+VERSION = 2  # of the cache file's layout (2: whole verification steps, not forwards alone)
 
 
 @dataclass(slots=True)
@@ -138,10 +138,40 @@ def measure(step: Callable[[int, int], None], nodes: Sequence[int] = NODE_COUNTS
     return CostModel(list(nodes), list(contexts), table, key or {})
 
 
+def bushy_tree(nodes: int, vocab: int, rng: np.random.Generator, depth: int = 10) -> DraftTree:
+    """A ``nodes``-node tree shaped like the drafters': paths down to ``depth`` tokens, each
+    forking from the root or (as often) from a random earlier node above that depth."""
+    parents: list[int] = []
+    depths: list[int] = []
+    while len(parents) < nodes:
+        inner = [i for i, d in enumerate(depths) if d < depth]
+        fork = int(rng.choice(inner)) if inner and rng.random() < 0.5 else -1
+        level = depths[fork] if fork >= 0 else 0
+        for _ in range(min(depth - level, nodes - len(parents))):
+            parents.append(fork)
+            level += 1
+            depths.append(level)
+            fork = len(parents) - 1
+    return DraftTree(rng.integers(0, vocab, size=nodes), np.asarray(parents, dtype=np.int64))
+
+
+def _accept_a_path(rng: np.random.Generator):
+    """An acceptance rule for timing: the path to a random node (as a verification that
+    accepts part of a branch), so the cache compaction a real step does is timed too."""
+
+    def rule(logits: torch.Tensor, tree: DraftTree, sampling) -> tuple[list[int], int, list[bool]]:
+        path = tree.path_to(int(rng.integers(0, len(tree)))) if len(tree) else []
+        return path, int(torch.argmax(logits[len(path)])), []
+
+    return rule
+
+
 class ForwardStep:
-    """``step(n, context)`` for ``measure``: a TreeVerifier forward over a ``n``-node tree (a
-    chain) after ``context`` cached tokens (one verifier per context, prefilled once), the
-    cache cropped back after each call."""
+    """``step(n, context)`` for ``measure``: one whole verification step of the decode loop
+    (``TreeVerifier.step``: the tree's attention inputs, the forward, the acceptance and the cache
+    compaction) over an ``n``-node tree shaped like the drafters', accepting the path to a random
+    node, after ``context`` cached tokens (one verifier per context, prefilled once); the cache
+    is cropped back to ``context`` after each call."""
 
     def __init__(self, model, seed: int = 0):
         from specstore.runtime.verify import TreeVerifier
@@ -152,6 +182,7 @@ class ForwardStep:
         self.rng = np.random.default_rng(seed)
         self._verifier_cls = TreeVerifier
         self.verifiers: dict[int, object] = {}
+        self.accept = _accept_a_path(self.rng)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -166,10 +197,15 @@ class ForwardStep:
 
     def __call__(self, nodes: int, context: int) -> None:
         verifier = self.verifier(context)
-        tree = DraftTree.chain(self.rng.integers(0, self.vocab, size=nodes).tolist())
-        verifier.tree_logits(int(self.rng.integers(0, self.vocab)), tree)
+        before = verifier.num_cached
+        tree = bushy_tree(nodes, self.vocab, self.rng)
+        out = verifier.step(int(self.rng.integers(0, self.vocab)), tree, self.accept)
+        if self.device.type == "cuda":
+            out.logits.sum().item()  # the step's results reach the host, as the decode loop's do
         self._sync()
-        verifier.cache.crop(-(nodes + 1))  # transformers 5.x: negative = tokens to remove
+        grown = verifier.num_cached - before
+        if grown:
+            verifier.cache.crop(-grown)  # back to the context (transformers 5.x: negative = tokens to remove)
 
 
 def usable_contexts(model, nodes: Sequence[int] = NODE_COUNTS, contexts: Sequence[int] = CONTEXTS) -> list[int]:

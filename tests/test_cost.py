@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specstore.runtime.cost import CostModel, ForwardStep, cache_path, cost_key, load_cost_model, measure
+from specstore.runtime.cost import CostModel, ForwardStep, bushy_tree, cache_path, cost_key, load_cost_model, measure
 from specstore.runtime.decode import decode
 from specstore.runtime.drafters.cost_aware import (
     Calibrator,
@@ -98,14 +98,24 @@ def test_cost_cache_is_keyed_refreshed_and_survives_corruption(tmp_path):
     assert cost_key(info.model_copy(update={"revision": "x"}), torch.device("cpu"), torch.float32) != first.key
 
 
-def test_forward_step_runs_real_forwards_and_leaves_the_cache_as_it_was():
+def test_forward_step_times_whole_steps_and_leaves_the_cache_as_it_was(monkeypatch):
+    """The cost model times what the decode loop pays per step: TreeVerifier.step over a
+    branching tree, accepting a path (so the cache compaction runs), not the forward alone."""
     model, _ = tiny_lm()
     step = ForwardStep(model)
+    seen = []
+    real_step = type(step.verifier(20)).step
+    monkeypatch.setattr(type(step.verifier(20)), "step", lambda self, pending, tree, rule=None: seen.append(
+        (len(tree), int((tree.parents == -1).sum()), len(rule(torch.zeros(len(tree) + 1, 5), tree, None)[0]))) or real_step(self, pending, tree, rule))
     with torch.inference_mode():
-        step(4, 20)
-        assert step.verifier(20).num_cached == 20
-        step(16, 20)
-        assert step.verifier(20).num_cached == 20
+        for nodes in (4, 16, 64, 0):
+            step(nodes, 20)
+            assert step.verifier(20).num_cached == 20
+    assert [n for n, _, _ in seen] == [4, 16, 64, 0]
+    assert seen[2][1] > 1  # a 64-node tree branches under the root
+    assert all(0 < a <= 10 for n, _, a in seen if n)  # a path of the tree was accepted
+    tree = bushy_tree(37, 100, np.random.default_rng(1))
+    assert len(tree) == 37 and max(len(tree.path_to(i)) for i in range(37)) == 10
     ticks = iter(range(1000))
     cost = measure(step, nodes=(0, 4), contexts=(8,), repeats=2, clock=lambda: float(next(ticks)))
     assert cost.nodes == [0, 4] and cost.seconds[0][0] > 0
