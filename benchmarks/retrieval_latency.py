@@ -145,7 +145,7 @@ def memory_kib() -> dict[str, int]:
     return out
 
 
-def bench_version(store: str, ref: str, held_out_dirs: list[str], tokenizer, steps: int) -> None:
+def bench_version(store: str, ref: str, held_out_dirs: list[str], tokenizer, steps: int, prefetch: bool = False) -> None:
     """Open time, resident memory per token and REST propose latency of one built version."""
     from specstore.runtime.datastore import Datastore
 
@@ -167,6 +167,13 @@ def bench_version(store: str, ref: str, held_out_dirs: list[str], tokenizer, ste
               f"file-backed +{file:.2f} B/token (mapped pages)")
 
     per_token(opened, "open")
+    if prefetch:  # what a server does after its open (Datastore.open(prefetch=True)); joined here to time it
+        t = time.perf_counter()
+        threads = ds.suffix.prefetch()
+        for thread in threads if isinstance(threads, list) else [threads]:
+            thread.join()
+        print(f"  prefetch (the index's pages mapped by a background thread): {time.perf_counter() - t:.2f} s")
+        per_token(memory_kib(), "prefetch")
     drafter = RestDrafter(ds.suffix)
     t = time.perf_counter()
     drafter.propose(DecodeState(tokens=held_out[0][:32], num_prompt=32, budget=64))
@@ -184,6 +191,8 @@ def main() -> None:
     parser.add_argument("--held-out", nargs="+", default=[str(Path(__file__).resolve().parents[1] / d) for d in ("runtime", "pipelines")],
                         metavar="DIR", help="with --store: .py files whose contexts REST is asked about")
     parser.add_argument("--steps", type=int, default=2000, help="with --store: proposes timed")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="with --store: map the index's pages first, as a long-lived server does after its open")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
@@ -194,7 +203,7 @@ def main() -> None:
     if args.store is not None:
         if args.ref is None:
             parser.error("--store needs --ref NAME@VERSION")
-        bench_version(args.store, args.ref, args.held_out, tokenizer, args.steps)
+        bench_version(args.store, args.ref, args.held_out, tokenizer, args.steps, args.prefetch)
         return
     docs, held_out = code_docs(tokenizer, args.tokens)
     stream, _ = join_documents(docs)

@@ -76,13 +76,7 @@ class SpillTokensFn(beam.DoFn):
 
     def _flush(self) -> list[TokenRef]:
         docs, self._docs, self._tokens = self._docs, [], 0
-        if not docs:
-            return []
-        rel = f"{self.plan.staging_name}/tokens-{docs[0].doc_id}-{uuid.uuid4().hex[:8]}.npy"
-        with files.output(self.plan, rel) as path:
-            np.save(path, np.concatenate([np.asarray(d.tokens, dtype=np.int32) for d in docs]))
-        offsets = np.cumsum([0] + [len(d.tokens) for d in docs[:-1]]).tolist()
-        return [TokenRef(d.doc_id, len(d.tokens), rel, o) for d, o in zip(docs, offsets, strict=True)]
+        return writers.spill_tokens([(d.doc_id, d.tokens) for d in docs], self.plan)
 
 
 class GenerateFn(beam.DoFn):

@@ -11,6 +11,7 @@ commit.py does.
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,17 @@ def reuse_normaliser(_, plan: BuildPlan) -> Normaliser:
     with output(plan, NORMALISER_FILE) as path:
         normaliser.save(path)
     return normaliser
+
+
+def spill_tokens(docs: list[tuple[int, np.ndarray]], plan: BuildPlan) -> list[TokenRef]:
+    """Write ``(doc_id, tokens)`` documents to one staging file; their references."""
+    if not docs:
+        return []
+    rel = f"{plan.staging_name}/tokens-{docs[0][0]}-{uuid.uuid4().hex[:8]}.npy"
+    with output(plan, rel) as path:
+        np.save(path, np.concatenate([np.asarray(tokens, dtype=np.int32) for _, tokens in docs]))
+    offsets = np.cumsum([0] + [len(tokens) for _, tokens in docs[:-1]]).tolist()
+    return [TokenRef(doc_id, len(tokens), rel, o) for (doc_id, tokens), o in zip(docs, offsets, strict=True)]
 
 
 def load_tokens(refs: list[TokenRef], plan: BuildPlan) -> list[tuple[int, np.ndarray]]:

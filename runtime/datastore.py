@@ -80,6 +80,7 @@ class Datastore:
         *,
         dense: bool = True,
         device: str | torch.device = "cpu",
+        prefetch: bool = False,
     ) -> Datastore:
         """Open the version ``ref`` resolves to.
 
@@ -90,7 +91,9 @@ class Datastore:
         normaliser.
         ``dense``: load the tokens table and build the dense index (DReSD needs it, REST does
         not), when the version has one (a sparse version opens without it). ``device``: where the
-        dense index searches.
+        dense index searches. ``prefetch``: map the suffix index's pages in a background thread
+        after the open (a long-lived server: its first searches then pay no page faults); the
+        open itself still reads only headers.
         """
         store = store if isinstance(store, Store) else Store(store)
         record = store.resolve(ref)
@@ -109,6 +112,8 @@ class Datastore:
         ds = cls(store, record, normaliser, suffix, device=torch.device(device))
         if dense and ds.has_dense:
             ds.load_dense()
+        if prefetch:
+            suffix.prefetch()
         return ds
 
     def load_dense(self) -> DenseIndex:

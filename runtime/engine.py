@@ -165,7 +165,8 @@ class Engine:
         return {str(s.reference): s.datastore.ref for s in self._slots}
 
     def _open(self, ref: str) -> Datastore:
-        return Datastore.open(self.store, ref, self.info, verify=self.verify, dense=self.dense, device=self.device)
+        return Datastore.open(self.store, ref, self.info, verify=self.verify, dense=self.dense, device=self.device,
+                              prefetch=True)  # a long-lived engine: map the index's pages in the background
 
     def refresh(self) -> dict[str, str]:
         """Re-resolve every tag and bare name now; open what moved and swap it in for the next

@@ -64,6 +64,10 @@ class ShardedSuffixIndex:
     def __len__(self) -> int:
         return int(sum(len(s) for s in self.shards))
 
+    def prefetch(self) -> list:
+        """``SuffixIndex.prefetch`` for every shard (one thread each)."""
+        return [s.prefetch() for s in self.shards]
+
     def find(self, pattern: Sequence[int]) -> ShardedMatch:
         parts = [s.find(pattern) for s in self.shards]
         return ShardedMatch(parts[0].length, parts)

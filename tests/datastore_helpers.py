@@ -50,7 +50,7 @@ def write_datastore(
     )
     doc_ids = list(range(len(docs)))
     tokens = [np.asarray(d, dtype=np.int32) for d in docs]
-    layout = writers.write_stream(list(zip(doc_ids, tokens, strict=True)), plan)
+    layout = writers.write_stream(writers.spill_tokens(list(zip(doc_ids, tokens, strict=True)), plan), plan)
     normaliser = writers.fit_and_save(NormStats.of(np.concatenate(hiddens)), plan)
     staged = save_staged(plan.staging_dir, "all", doc_ids, tokens, list(hiddens), plan.spill_dtype)
     written = writers.write_fragment(staged, normaliser, layout, plan)

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from specstore.runtime.cost import CostModel, ForwardStep, bushy_tree, cache_path, cost_key, load_cost_model, measure
+from specstore.runtime.cost import (
+    CostModel,
+    ForwardStep,
+    bushy_tree,
+    cache_path,
+    cost_key,
+    load_cost_model,
+    measure,
+)
 from specstore.runtime.decode import decode
 from specstore.runtime.drafters.cost_aware import (
     Calibrator,

@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from specstore.pipelines.corpus import Source, detect_format, plan_chunks, read_chunk, read_records, resolve_sources, source_sha256
+from specstore.pipelines.corpus import (
+    Source,
+    detect_format,
+    plan_chunks,
+    read_chunk,
+    read_records,
+    resolve_sources,
+    source_sha256,
+)
 from specstore.runtime.errors import SpecstoreError
 
 

@@ -160,3 +160,15 @@ def test_first_token_ranks_give_every_first_level_interval(tmp_path):
     bad = np.load(tmp_path / "first_token_ranks.npy")
     for damaged in (bad[::-1].copy(), np.where(np.arange(bad.size) == 3, 10**9, bad), bad[:-1]):
         assert SuffixIndex(stream, sa, first_ranks=damaged).first_ranks is None
+
+
+def test_prefetch_maps_the_pages_in_the_background_and_changes_no_result(tmp_path):
+    rng = np.random.default_rng(2)
+    stream, _ = join_documents([rng.integers(0, 50, size=30_000)])
+    save_suffix_index(tmp_path, stream, build_suffix_array(stream))
+    index = SuffixIndex.load(tmp_path)
+    before = [index.find(stream[i : i + 4].tolist()) for i in range(0, 3000, 97)]
+    thread = index.prefetch()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert [index.find(stream[i : i + 4].tolist()) for i in range(0, 3000, 97)] == before
