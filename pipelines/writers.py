@@ -127,9 +127,8 @@ def _stage_dense_rows(plan: BuildPlan, first: int, docs: list[np.ndarray], start
 
 
 def write_dense(written: list[WrittenFragment], normaliser: Normaliser, layout: StreamLayout, plan: BuildPlan) -> dict | None:
-    """The compact dense files of the version (runtime/dense_files.py): an append's parent rows
-    first, each block in stream order, then every fragment's staged rows in stream order; an
-    approximate index for each block of at least ``plan.ann_threshold`` rows (an append's
+    """The compact dense files of the version (runtime/dense_files.py): every block's rows (an
+    append's parent's and each fragment's staged ones) in stream order; an approximate index for each block of at least ``plan.ann_threshold`` rows (an append's
     untouched block keeps its parent's, linked). Two passes over the staged rows (counts, then
     placement into memory-mapped outputs): memory stays a few fragments' worth. Returns the
     manifest's ``dense`` fields (None for a non-compact build)."""
@@ -174,6 +173,12 @@ def write_dense(written: list[WrittenFragment], normaliser: Normaliser, layout: 
                 touched.update(uniq.tolist())
         if not np.array_equal(cursor[tokens], blocks[:, 2]):
             raise RuntimeError("internal: dense rows do not fill their blocks")
+        for _, s, e in blocks.tolist():  # fragments hold documents of one padded width: put each block in stream order
+            pos = np.asarray(positions[s:e])
+            if e - s > 1 and np.any(pos[1:] < pos[:-1]):
+                order = np.argsort(pos, kind="stable")
+                positions[s:e] = pos[order]
+                codes[s:e] = np.asarray(codes[s:e])[order]
         np.save(folder / "blocks.npy", blocks)
         ann_blocks, reused = [], []
         for t, s, e in blocks.tolist():
