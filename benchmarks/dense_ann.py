@@ -12,6 +12,13 @@ version's tokens table (old float32 or compact int8 form) with lance directly, t
   IVF_HNSW_SQ on a dataset of that block) against exact search of the int8 block: recall@10
   against exact float32, p50/p99 latency per query and the index's bytes per row.
 
+- **the runtime's compact search end to end** (``--runtime``): the float32 rows quantised with
+  per-dimension scales spanning 4 standard deviations (the build's rule, runtime/dense_files.py;
+  here the standard deviations are measured, the build derives them from the PCA variances),
+  block-sorted, faiss indexes written by the build's own ``write_ann_index`` for blocks of at
+  least ``--ann-threshold`` rows, searched through ``DenseIndex.from_blocks``: recall@10 against
+  exact float32 search and the search's p50/p99 over queries drawn uniformly over rows.
+
 Queries are datastore rows themselves (their own row left out of the answers), sampled uniformly
 over rows, so frequent next tokens get queried as often as decoding meets them. Prints one JSON
 object (and writes it to ``--out``). Owns no library code.
@@ -215,6 +222,58 @@ def build_index(method, deq, count):
     return search, nbytes, build_s, lambda: shutil.rmtree(tmp, ignore_errors=True)
 
 
+def runtime_search(emb, nxt, queries, k, threshold):
+    """Recall@k and latency of DenseIndex.from_blocks over compact arrays made from ``emb``."""
+    from specstore.pipelines.writers import write_ann_index
+    from specstore.runtime import dense_files as df
+    from specstore.runtime.dense import DenseIndex
+
+    scales = (df.CODE_MAX / np.clip(df.SCALE_SIGMAS * emb.std(axis=0), 1 / df.CODE_MAX, 1.0)).astype(np.float32)
+    valid = np.flatnonzero(nxt >= 0)
+    order = valid[np.argsort(nxt[valid], kind="stable")]
+    codes = df.quantise(emb[order], scales)
+    tokens, counts = np.unique(nxt[order], return_counts=True)
+    table = df.block_table(tokens, counts)
+    blocks = {int(t): (int(a), int(b)) for t, a, b in table}
+    tmp = Path(tempfile.mkdtemp(prefix="dense-rt-"))
+    indexes, t0 = {}, time.perf_counter()
+    for t, a, b in table.tolist():
+        if b - a >= threshold:
+            write_ann_index(tmp / f"{t}.faiss", codes[a:b], scales)
+            import faiss
+
+            idx = faiss.read_index(str(tmp / f"{t}.faiss"), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+            faiss.extract_index_ivf(idx).nprobe = 32
+            idx.specstore_rerank = 4
+            indexes[t] = idx
+    build_s = time.perf_counter() - t0
+    index = DenseIndex.from_blocks(codes, scales, order.astype(np.int64), blocks, indexes.get)
+    recalls, times, ann_recalls = [], [], []
+    for row in queries:
+        t = int(nxt[row])
+        a, b = blocks[t]
+        if b - a < 2:
+            continue
+        members = order[a:b]
+        scores = torch.from_numpy(emb[members]) @ torch.from_numpy(emb[row])
+        scores[members == row] = -np.inf
+        truth = set(members[torch.topk(scores, min(k, b - a - 1)).indices.numpy()].tolist())
+        t0 = time.perf_counter()
+        found = index.search(torch.from_numpy(emb[row]), k + 1, next_token=t)
+        times.append(time.perf_counter() - t0)
+        got = [r for r in found.rows.tolist() if r != row][:k]
+        share = len(truth & set(got)) / len(truth)
+        recalls.append(share)
+        if t in indexes:
+            ann_recalls.append(share)
+    shutil.rmtree(tmp, ignore_errors=True)
+    rows_in_ann = int(sum(b - a for t, (a, b) in blocks.items() if t in indexes))
+    return {"ann_threshold": threshold, "ann_blocks": len(indexes), "rows_in_ann_blocks": rows_in_ann,
+            "ann_build_s": round(build_s, 1), "queries": len(recalls), "recall": round(float(np.mean(recalls)), 4),
+            "recall_in_ann_blocks": round(float(np.mean(ann_recalls)), 4) if ann_recalls else None,
+            "queries_in_ann_blocks": len(ann_recalls), **_lat(times)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True)
@@ -227,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--max-blocks", type=int, default=3)
     ap.add_argument("--methods", default="faiss_ivf_sq8_p8,faiss_ivf_sq8_p16,faiss_ivf_sq8_p32,faiss_hnsw_sq8,lance_ivf_pq,lance_ivf_hnsw_sq")
     ap.add_argument("--skip-quantisation", action="store_true")
+    ap.add_argument("--skip-blocks", action="store_true", help="skip the per-block library comparison")
+    ap.add_argument("--runtime", default="", help="comma-separated --ann-threshold values for the end-to-end runtime search")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -239,6 +300,15 @@ def main(argv=None):
         print(json.dumps(report["quantisation"]), flush=True)
     tokens, counts = np.unique(nxt[valid], return_counts=True)
     report["largest_blocks"] = sorted(counts.tolist(), reverse=True)[:10]
+    if args.runtime:
+        queries = rng.choice(valid, size=args.queries, replace=False)
+        report["runtime"] = [runtime_search(emb, nxt, queries, args.k, int(t)) for t in args.runtime.split(",")]
+        print(json.dumps(report["runtime"]), flush=True)
+    if args.skip_blocks:
+        print(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+        return
     keep = set(sorted(zip(counts.tolist(), tokens.tolist(), strict=True), reverse=True)[: args.max_blocks])
     mask = np.isin(nxt, [t for _, t in keep])
     sub_nxt = np.where(mask, nxt, -1)
