@@ -244,8 +244,7 @@ def runtime_search(emb, nxt, queries, k, threshold):
 
             idx = faiss.read_index(str(tmp / f"{t}.faiss"), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
             faiss.extract_index_ivf(idx).nprobe = 32
-            idx.specstore_rerank = 4
-            indexes[t] = idx
+            indexes[t] = df.ApproximateBlock(idx, 4)
     build_s = time.perf_counter() - t0
     index = DenseIndex.from_blocks(codes, scales, order.astype(np.int64), blocks, indexes.get)
     recalls, times, ann_recalls = [], [], []

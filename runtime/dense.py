@@ -84,8 +84,9 @@ class DenseIndex:
         maps; nothing is copied or sorted). ``codes``: [M, D], float32 vectors or int8 codes with
         per-dimension ``scales`` (vector = code / scale); ``rows``: [M] the id each sorted row
         answers with; ``blocks``: next token -> (start, end) into them, each within [0, M];
-        ``ann``: None, or a callable token -> an approximate index of that block (faiss, ids
-        into the block) or None. Searches run on the CPU."""
+        ``ann``: None, or a callable token -> that block's approximate index or None (an object
+        with ``rerank`` and ``candidates(query, count)`` -> row offsets in the block, as
+        dense_files.ApproximateBlock). Searches run on the CPU."""
         self = cls.__new__(cls)
         self.device = torch.device("cpu")
         self.dims = int(codes.shape[1])
@@ -153,9 +154,8 @@ class DenseIndex:
         """The block's approximate index proposes ``k * rerank`` candidates; the exact int8
         product over those rows ranks them. Ids outside the block (a damaged index) are dropped."""
         raw = query.detach().float().cpu().numpy() if isinstance(query, torch.Tensor) else np.asarray(query, np.float32)
-        wanted = min(end - start, k * int(getattr(index, "specstore_rerank", 4)))
-        _, ids = index.search(np.ascontiguousarray(raw.reshape(1, -1), dtype=np.float32), wanted)
-        ids = np.unique(ids[0][(ids[0] >= 0) & (ids[0] < end - start)])
+        ids = np.asarray(index.candidates(raw, min(end - start, k * index.rerank)), dtype=np.int64)
+        ids = np.unique(ids[(ids >= 0) & (ids < end - start)])
         if ids.size == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         codes = np.asarray(self._vectors[start + ids], dtype=np.float32)

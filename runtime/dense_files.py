@@ -146,11 +146,24 @@ class AnnIndexes:
 
             index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
             faiss.extract_index_ivf(index).nprobe = self.nprobe
-            index.specstore_rerank = self.rerank
-            return index
+            return ApproximateBlock(index, self.rerank)
         except Exception as exc:  # any failure: the block is scanned exactly instead
             log.warning("approximate index %s unusable (%s): block %d is searched exactly", rel, exc, token)
             return None
+
+
+@dataclass
+class ApproximateBlock:
+    """One block's faiss index and how many candidates per wanted neighbour it proposes
+    (``DenseIndex`` reranks them exactly on the block's int8 rows)."""
+
+    index: object
+    rerank: int
+
+    def candidates(self, query: np.ndarray, count: int) -> np.ndarray:
+        """Up to ``count`` row offsets in the block (-1 where it has fewer), best first."""
+        _, ids = self.index.search(np.ascontiguousarray(query.reshape(1, -1), dtype=np.float32), int(count))
+        return ids[0]
 
 
 def _sha256(path: Path) -> str:

@@ -79,6 +79,7 @@ def test_search_meets_recall_and_is_exact_below_the_threshold(tmp_path):
                 codes = df.quantise(vectors, scales).astype(np.float32)
                 assert found.rows.tolist() == exact(codes, positions, query / scales, K).tolist()
                 recall["int8"].append(share)
+    assert ds.dense._ann.loaded[0] is not None  # token 0's block was searched through its faiss index
     # measured on this fixture: 0.98 (faiss candidates reranked on int8) and 0.99 (int8, exact)
     assert np.mean(recall["ann"]) >= 0.85 and np.mean(recall["int8"]) >= 0.9
 
@@ -146,6 +147,11 @@ def test_compact_version_with_approximate_blocks_decodes_like_ar(tmp_path, own_m
     store, manifest = own_store(tmp_path, own_model, ann_threshold=3)
     assert manifest.dense is not None and manifest.dense.ann_blocks  # some blocks searched through faiss
     mats = decodes_like_ar(store, loaded, ar)
+    ds = Datastore.open(store, "own", loaded.info)
+    make_drafter("dresd", ds)
+    for prompt in ar:
+        generate(loaded.model, loaded.tokenizer, prompt, make_drafter("dresd", ds), max_new_tokens=8)
+    assert any(v is not None for v in ds.dense._ann.loaded.values())  # decoding went through faiss
     assert mats["dresd"] > 1.5 and mats["respec"] > 1.5  # the datastore holds these answers: it drafts them
 
 
