@@ -242,7 +242,7 @@ def runtime_search(emb, nxt, queries, k, threshold):
             write_ann_index(tmp / f"{t}.faiss", codes[a:b], scales)
             import faiss
 
-            idx = faiss.read_index(str(tmp / f"{t}.faiss"), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+            idx = faiss.read_index(str(tmp / f"{t}.faiss"))
             faiss.extract_index_ivf(idx).nprobe = 32
             indexes[t] = df.ApproximateBlock(idx, 4)
     build_s = time.perf_counter() - t0

@@ -43,7 +43,7 @@ class Neighbours:
         return int(self.rows.shape[0])
 
 
-SCAN_CHUNK = 1 << 16  # rows of a mapped block converted and scored at once (bounded temporary memory)
+SCAN_CHUNK = 1 << 14  # rows of a mapped block converted and scored at once (bounded temporary memory)
 
 
 class DenseIndex:

@@ -113,8 +113,8 @@ def _mapped(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
 
 
 class AnnIndexes:
-    """The approximate indexes of a version's large blocks, each loaded on its block's first
-    search (faiss, its inverted lists memory-mapped) after the file's SHA-256 matches the
+    """The approximate indexes of a version's large blocks, each read into memory on its
+    block's first search (about 30 B per row of the block) after the file's SHA-256 matches the
     manifest: faiss does not check what it reads, so a damaged file is never handed to it (that
     block is then scanned exactly, and a warning says which file)."""
 
@@ -144,7 +144,9 @@ class AnnIndexes:
                 raise ChecksumError("checksum mismatch")
             import faiss
 
-            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+            # read whole: faiss's memory-mapped inverted lists (IO_FLAG_MMAP) searched 30-80x
+            # slower here (p50 1.4-3.6 ms against 0.045 ms on a 52k-row block)
+            index = faiss.read_index(str(path))
             faiss.extract_index_ivf(index).nprobe = self.nprobe
             return ApproximateBlock(index, self.rerank)
         except Exception as exc:  # any failure: the block is scanned exactly instead
