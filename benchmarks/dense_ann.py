@@ -222,7 +222,7 @@ def build_index(method, deq, count):
     return search, nbytes, build_s, lambda: shutil.rmtree(tmp, ignore_errors=True)
 
 
-def runtime_search(emb, nxt, queries, k, threshold):
+def runtime_search(emb, nxt, queries, k, threshold, nprobe=32, rerank=4):
     """Recall@k and latency of DenseIndex.from_blocks over compact arrays made from ``emb``."""
     from specstore.pipelines.writers import write_ann_index
     from specstore.runtime import dense_files as df
@@ -243,8 +243,8 @@ def runtime_search(emb, nxt, queries, k, threshold):
             import faiss
 
             idx = faiss.read_index(str(tmp / f"{t}.faiss"))
-            faiss.extract_index_ivf(idx).nprobe = 32
-            indexes[t] = df.ApproximateBlock(idx, 4)
+            faiss.extract_index_ivf(idx).nprobe = nprobe
+            indexes[t] = df.ApproximateBlock(idx, rerank)
     build_s = time.perf_counter() - t0
     index = DenseIndex.from_blocks(codes, scales, order.astype(np.int64), blocks, indexes.get)
     recalls, times, ann_recalls = [], [], []
@@ -267,7 +267,7 @@ def runtime_search(emb, nxt, queries, k, threshold):
             ann_recalls.append(share)
     shutil.rmtree(tmp, ignore_errors=True)
     rows_in_ann = int(sum(b - a for t, (a, b) in blocks.items() if t in indexes))
-    return {"ann_threshold": threshold, "ann_blocks": len(indexes), "rows_in_ann_blocks": rows_in_ann,
+    return {"ann_threshold": threshold, "nprobe": nprobe, "rerank": rerank, "ann_blocks": len(indexes), "rows_in_ann_blocks": rows_in_ann,
             "ann_build_s": round(build_s, 1), "queries": len(recalls), "recall": round(float(np.mean(recalls)), 4),
             "recall_in_ann_blocks": round(float(np.mean(ann_recalls)), 4) if ann_recalls else None,
             "queries_in_ann_blocks": len(ann_recalls), **_lat(times)}
@@ -286,7 +286,8 @@ def main(argv=None):
     ap.add_argument("--methods", default="faiss_ivf_sq8_p8,faiss_ivf_sq8_p16,faiss_ivf_sq8_p32,faiss_hnsw_sq8,lance_ivf_pq,lance_ivf_hnsw_sq")
     ap.add_argument("--skip-quantisation", action="store_true")
     ap.add_argument("--skip-blocks", action="store_true", help="skip the per-block library comparison")
-    ap.add_argument("--runtime", default="", help="comma-separated --ann-threshold values for the end-to-end runtime search")
+    ap.add_argument("--runtime", default="", help="comma-separated --ann-threshold values for the end-to-end runtime search, "
+                    "each optionally THRESHOLD:NPROBE:RERANK (default 32 probes, 4 candidates per neighbour)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -301,7 +302,11 @@ def main(argv=None):
     report["largest_blocks"] = sorted(counts.tolist(), reverse=True)[:10]
     if args.runtime:
         queries = rng.choice(valid, size=args.queries, replace=False)
-        report["runtime"] = [runtime_search(emb, nxt, queries, args.k, int(t)) for t in args.runtime.split(",")]
+        report["runtime"] = []
+        for spec in args.runtime.split(","):
+            t, *rest = [int(x) for x in spec.split(":")]
+            report["runtime"].append(runtime_search(emb, nxt, queries, args.k, t, *rest))
+            print(json.dumps(report["runtime"][-1]), flush=True)
         print(json.dumps(report["runtime"]), flush=True)
     if args.skip_blocks:
         print(json.dumps(report, indent=1))

@@ -247,3 +247,27 @@ def test_append_dense_files_equal_a_fresh_build_and_reuse_untouched_indexes(tiny
     for t in touched:
         assert not os.path.samefile(files / df.ann_file(t), parent_files / df.ann_file(t))
     Datastore.open(store, "a@2", verify=True).load_dense()
+
+
+def test_remote_compact_version_fetches_an_index_on_its_first_search(tmp_path, own_model, monkeypatch):
+    from specstore.runtime.storage import Location
+    from tests.s3_helpers import s3_server, upload_tree
+
+    loaded, ar, _, _ = own_model
+    local, manifest = own_store(tmp_path / "local", own_model, ann_threshold=3)
+    monkeypatch.setenv("SPECSTORE_FILE_CACHE", str(tmp_path / "cache"))
+    ann = {manifest.files[f"{Store.files_rel('own', manifest.build_id)}/{df.ann_file(t)}"].sha256 for t in manifest.dense.ann_blocks}
+
+    def cached() -> set[str]:
+        return {p.name for p in (tmp_path / "cache" / "objects").glob("*/*") if not p.name.endswith(".lock")}
+
+    with s3_server() as s3:
+        uri = s3.uri()
+        upload_tree(local.root, Location.of(uri, s3.options))
+        store = Store(uri, storage_options=s3.options)
+        ds = Datastore.open(store, "own", loaded.info)
+        assert not cached() & ann  # open fetched the mapped files, no index
+        for prompt, expected in ar.items():
+            assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter("dresd", ds), max_new_tokens=len(expected)).token_ids == expected
+        used = [t for t, index in ds.dense._ann.loaded.items() if index is not None]
+        assert used and len(cached() & ann) == len(used)  # each index searched was fetched (and checked) once
