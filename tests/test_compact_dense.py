@@ -271,3 +271,22 @@ def test_remote_compact_version_fetches_an_index_on_its_first_search(tmp_path, o
             assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter("dresd", ds), max_new_tokens=len(expected)).token_ids == expected
         used = [t for t, index in ds.dense._ann.loaded.items() if index is not None]
         assert used and len(cached() & ann) == len(used)  # each index searched was fetched (and checked) once
+
+
+def test_an_append_to_an_old_form_version_stays_in_the_old_form(tiny_model_dir, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from specstore.pipelines import build as build_module
+    from specstore.pipelines.build import build
+    from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
+
+    plan_build = build_module.plan_build
+    with monkeypatch.context() as patch:  # the parent as builds before the compact form wrote it
+        patch.setattr(build_module, "plan_build", lambda *a, **k: replace(plan_build(*a, **k), compact=False))
+        parent = build(tmp_path / "s", "a", [str(CORPUS_DIR / "notes.txt")], model=tiny_model_dir, **BUILD_OPTIONS).manifest
+    assert parent.dense is None
+    appended = build(tmp_path / "s", "a", [str(CORPUS_DIR / "notes.txt"), str(CORPUS_DIR / "chat.jsonl")], model=tiny_model_dir,
+                     mode="append", **BUILD_OPTIONS).manifest
+    assert appended.dense is None and appended.num_tokens > parent.num_tokens
+    ds = Datastore.open(tmp_path / "s", "a@2", verify=True)  # one table, one (old) schema: every row loads
+    assert isinstance(ds.continuations, np.ndarray) and len(ds.dense) == appended.num_tokens
