@@ -14,7 +14,6 @@ own the search (dense.py) or writing the files (pipelines/writers.py).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from specstore.runtime.errors import ChecksumError
+from specstore.runtime.hashing import file_sha256
 from specstore.schemas.manifest import DenseFiles, FileInfo
 
 DENSE_DIR = "dense"
@@ -140,7 +140,7 @@ class AnnIndexes:
         info = self.files.get(f"{self.prefix}/{rel}")
         try:
             path = self.fetch(rel) if self.fetch is not None else self.folder / rel
-            if info is None or _sha256(path) != info.sha256:
+            if info is None or file_sha256(path) != info.sha256:
                 raise ChecksumError("checksum mismatch")
             import faiss
 
@@ -166,14 +166,6 @@ class ApproximateBlock:
         """Up to ``count`` row offsets in the block (-1 where it has fewer), best first."""
         _, ids = self.index.search(np.ascontiguousarray(query.reshape(1, -1), dtype=np.float32), int(count))
         return ids[0]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class StreamContinuations:
