@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 
-def compact_index(ds, threshold: int, tmp: Path):
+def compact_index(ds, threshold: int, nprobe: int = 32, rerank: int = 4, *, tmp: Path):
     """``(DenseIndex over compact arrays, StreamContinuations)`` made from an old-form version's rows."""
     import faiss
 
@@ -53,8 +53,8 @@ def compact_index(ds, threshold: int, tmp: Path):
             path = tmp / f"{token}.faiss"
             write_ann_index(path, codes[a:b], scales)
             index = faiss.read_index(str(path))
-            faiss.extract_index_ivf(index).nprobe = 32
-            indexes[token] = df.ApproximateBlock(index, 4)
+            faiss.extract_index_ivf(index).nprobe = nprobe
+            indexes[token] = df.ApproximateBlock(index, rerank)
     return DenseIndex.from_blocks(codes, scales, positions, blocks, indexes.get), df.StreamContinuations(ds.suffix, ds.manifest.model.vocab_size)
 
 
@@ -64,7 +64,8 @@ def main(argv=None):
     ap.add_argument("--ref", required=True, help="an old-form dense version")
     ap.add_argument("--references", required=True, help="a bench result with method ar")
     ap.add_argument("--methods", default="dresd,respec")
-    ap.add_argument("--ann-threshold", default="50000", help="comma list")
+    ap.add_argument("--ann-threshold", default="20000:64:8", help="comma list of THRESHOLD[:NPROBE:RERANK] (default probes 32, rerank 4)")
+    ap.add_argument("--skip-exact", action="store_true", help="only the compact runs")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -84,6 +85,7 @@ def main(argv=None):
         raise SystemExit(f"{ds.ref} is already compact: give an old-form dense version")
     exact_index, exact_conts = ds.dense, ds.continuations
     methods = [m.strip() for m in args.methods.split(",")]
+    skip_exact = args.skip_exact
 
     def mat(label):
         out = {}
@@ -93,12 +95,14 @@ def main(argv=None):
         print(json.dumps({label: out}), file=sys.stderr, flush=True)
         return out
 
-    report = {"ref": ds.ref, "prompts": len(refs), "max_new_tokens": bench.max_new_tokens, "exact_float32": mat("exact_float32")}
-    for threshold in [int(t) for t in args.ann_threshold.split(",")]:
+    report = {"ref": ds.ref, "prompts": len(refs), "max_new_tokens": bench.max_new_tokens}
+    if not skip_exact:
+        report["exact_float32"] = mat("exact_float32")
+    for spec in args.ann_threshold.split(","):
         tmp = Path(tempfile.mkdtemp(prefix="dense-mat-"))
         try:
-            ds.dense, ds.continuations = compact_index(ds, threshold, tmp)
-            report[f"compact_ann_{threshold}"] = mat(f"compact_ann_{threshold}")
+            ds.dense, ds.continuations = compact_index(ds, *[int(x) for x in spec.split(":")], tmp=tmp)
+            report[f"compact_ann_{spec}"] = mat(f"compact_ann_{spec}")
         finally:
             ds.dense, ds.continuations = exact_index, exact_conts
             shutil.rmtree(tmp, ignore_errors=True)

@@ -32,7 +32,7 @@ POSITIONS_FILE = f"{DENSE_DIR}/positions.npy"
 BLOCKS_FILE = f"{DENSE_DIR}/blocks.npy"
 ANN_DIR = f"{DENSE_DIR}/ann"
 CODE_MAX = 127  # int8 codes are in [-127, 127]: symmetric, so a code and its negation both exist
-ANN_THRESHOLD = 50_000  # default: blocks of at least this many rows get an approximate index
+ANN_THRESHOLD = 20_000  # default: blocks of at least this many rows get an approximate index (docs/SCALING.md)
 SCALE_SIGMAS = 4.0  # a dimension's codes span +-4 of its standard deviations (clipped beyond)
 
 log = logging.getLogger(__name__)

@@ -81,8 +81,8 @@ class DenseFiles(BaseModel):
     positions_dtype: Literal["uint32", "int64"] = "uint32"
     ann_threshold: int = Field(description="blocks of at least this many rows have an approximate index")
     ann_blocks: list[int] = Field(default_factory=list, description="next tokens whose block has dense/ann/<token>.faiss")
-    ann_nprobe: int = 32
-    ann_rerank: int = 4  # candidates per wanted neighbour, reranked exactly on the int8 rows
+    ann_nprobe: int = 64  # inverted lists an index search visits
+    ann_rerank: int = 8  # candidates per wanted neighbour, reranked exactly on the int8 rows
 
 
 class Manifest(BaseModel):
