@@ -290,3 +290,30 @@ def test_an_append_to_an_old_form_version_stays_in_the_old_form(tiny_model_dir, 
     assert appended.dense is None and appended.num_tokens > parent.num_tokens
     ds = Datastore.open(tmp_path / "s", "a@2", verify=True)  # one table, one (old) schema: every row loads
     assert isinstance(ds.continuations, np.ndarray) and len(ds.dense) == appended.num_tokens
+
+
+@pytest.mark.slow
+def test_default_model_compact_version_with_indexed_blocks_decodes_like_ar(tmp_path):
+    """The real default model (SmolLM2-135M-Instruct), float32: a compact build whose frequent
+    next tokens' blocks are searched through faiss; dresd and respec equal ar."""
+    import json
+
+    from specstore.pipelines.build import build
+    from specstore.runtime.models import load_model
+
+    corpus = tmp_path / "code.jsonl"
+    rows = [
+        {"instruction": "Write a Python function that returns the square of x.", "output": "def square(x):\n    return x * x"},
+        {"instruction": "Write a Python function that returns the cube of x.", "output": "def cube(x):\n    return x * x * x"},
+        {"instruction": "Sum a list in Python.", "input": "nums = [1, 2, 3]", "output": "total = sum(nums)\nprint(total)"},
+    ]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = build(tmp_path / "s", "code", [str(corpus)], pca_dims=16, progress=False, ann_threshold=4).manifest
+    assert manifest.dense is not None and manifest.dense.ann_blocks
+    loaded = load_model(None, dtype="float32")
+    ds = Datastore.open(tmp_path / "s", "code", loaded.info)
+    for prompt in ("Write a Python function that returns the square of x.", "Sum a list in Python."):
+        ar = generate(loaded.model, loaded.tokenizer, prompt, "ar", max_new_tokens=24)
+        for method in ("dresd", "respec"):
+            assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter(method, ds), max_new_tokens=24).token_ids == ar.token_ids
+    assert any(index is not None for index in ds.dense._ann.loaded.values())  # faiss answered some searches
