@@ -23,7 +23,7 @@ from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_dir
 from specstore.runtime.storage import Location
 from specstore.runtime.store import Store, VersionRecord
 from specstore.runtime.suffix_array import INDEX_FILES, STREAM_FILE
-from specstore.schemas.manifest import Manifest, ModelInfo, SourceInfo
+from specstore.schemas.manifest import DenseFiles, Manifest, ModelInfo, SourceInfo
 
 if TYPE_CHECKING:
     from specstore.pipelines.layout import StreamLayout
@@ -48,6 +48,7 @@ class BaseVersion:
     shards: tuple[tuple[int, int], ...] = ()  # (stream offset, stream length) of each suffix-array shard; () if one array
     index: str = "dense"  # a sparse parent has no table rows
     files_rel: str = ""  # the files folder relative to the store's root
+    dense: DenseFiles | None = None  # a compact parent's dense files
 
     @property
     def num_rows(self) -> int:
@@ -78,7 +79,7 @@ class BaseVersion:
             version=record.version, build_id=m.build_id, files_dir=store.location.child(rel), files_rel=rel,
             table_uri=store.table_uri(m.tokens_table) if m.tokens_table else "", num_documents=m.num_documents, num_tokens=m.num_tokens,
             sources=tuple(m.sources), embedding_sum=tuple(float(c) * m.num_tokens for c in centroid),
-            shards=tuple(shards), index=m.index,
+            shards=tuple(shards), index=m.index, dense=m.dense,
         )
 
 
@@ -90,7 +91,7 @@ def kept_settings(parent: Manifest, sa_shard_tokens: int | None) -> dict:
     if sa_shard_tokens is not None and sa_shard_tokens != kept:
         have = f"shards of {kept} tokens" if kept else "one suffix array"
         raise SpecstoreError(f"--append keeps the parent's suffix-array layout ({have}); change --sa-shard-tokens with --refit")
-    keep = {k: s[k] for k in ("max_doc_tokens", "max_new_tokens", "batch_tokens", "dtype") if s.get(k) is not None}
+    keep = {k: s[k] for k in ("max_doc_tokens", "max_new_tokens", "batch_tokens", "dtype", "ann_threshold") if s.get(k) is not None}
     return keep | {
         "pca_dims": parent.pca_dims, "continuation_length": parent.continuation_length, "regenerate": parent.regenerated,
         "sa_shard_tokens": kept,
@@ -137,6 +138,30 @@ def parent_stream(base: BaseVersion, shard: int | None = None, storage_options: 
     name = STREAM_FILE if shard is None else f"{shard_dir(Path(), shard).as_posix()}/{STREAM_FILE}"
     with local_copy(f"{base.files_dir}/{name}", storage_options) as path:
         return np.load(path)
+
+
+@dataclass
+class ParentDense:
+    """A compact parent's dense files (runtime/dense_files.py), memory-mapped."""
+
+    codes: np.ndarray
+    positions: np.ndarray
+    blocks: np.ndarray
+    ann_blocks: tuple[int, ...]
+
+
+def parent_dense(base: BaseVersion, storage_options: dict | None = None) -> ParentDense | None:
+    """The parent's dense rows to put ahead of the new ones in every block (None: a sparse or
+    old-form parent, whose appends keep the old form)."""
+    if base.dense is None:
+        return None
+    from specstore.runtime import dense_files as df
+
+    arrays = []
+    for name in (df.VECTORS_FILE, df.POSITIONS_FILE, df.BLOCKS_FILE):
+        with local_copy(f"{base.files_dir}/{name}", storage_options) as path:
+            arrays.append(np.load(path, mmap_mode=None if base.files_dir.find("://") >= 0 else "r"))
+    return ParentDense(*arrays, ann_blocks=tuple(base.dense.ann_blocks))
 
 
 def link_untouched_shard(index: int, plan: BuildPlan, layout: StreamLayout) -> list[int]:

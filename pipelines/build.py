@@ -29,7 +29,7 @@ def build(
     pca_dims: int = 64, continuation_length: int = 10, batch_tokens: int = 4096, dtype: str = "float32",
     tag: str | None = None, runner: str = "DirectRunner", beam_args: list[str] | None = None, progress: bool = True,
     test_pipeline=None, mode: str = "full", force: bool = False, normaliser: str | Path | None = None,
-    sa_shard_tokens: int | None = None, index: str | None = None,
+    sa_shard_tokens: int | None = None, index: str | None = None, ann_threshold: int | None = None,
 ) -> BuildResult:
     """Build one new version of datastore ``name`` from ``corpus`` and commit it (see module doc).
 
@@ -41,7 +41,9 @@ def build(
     ``index``: ``dense`` (the default: every token embedded, a tokens table and a normaliser, for
     dresd and respec's dense source) or ``sparse`` (token stream and suffix array only, built with
     the tokenizer alone: rest, pld and respec's context and suffix sources); None: dense, or for
-    ``append``/``refit`` the parent's kind (an append never mixes kinds).
+    ``append``/``refit`` the parent's kind (an append never mixes kinds). ``ann_threshold``: a
+    dense version's next-token blocks of at least this many rows get an approximate index
+    (None: runtime/dense_files.py ``ANN_THRESHOLD``, or an append's parent's).
     """
     started = time.monotonic()
     dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
@@ -53,7 +55,7 @@ def build(
         in_process=test_pipeline is not None or single_process(runner, beam_args), progress=progress,
         max_docs=max_docs, sa_shard_tokens=sa_shard_tokens, regenerate=regenerate, max_doc_tokens=max_doc_tokens,
         max_new_tokens=max_new_tokens, pca_dims=pca_dims, continuation_length=continuation_length,
-        batch_tokens=batch_tokens, dtype=dtype, index=index,
+        batch_tokens=batch_tokens, dtype=dtype, index=index, ann_threshold=ann_threshold,
     )
     if plan.unchanged is not None:
         return keep_unchanged(store, plan, tag=tag, started=started)
@@ -95,7 +97,7 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
         pca_dims=args.pca_dims, continuation_length=args.continuation_length, batch_tokens=args.batch_tokens,
         dtype=args.dtype, tag=args.tag, runner=args.runner, beam_args=extra_beam_args, progress=sys.stderr.isatty(),
         mode=mode, force=getattr(args, "force", False), sa_shard_tokens=getattr(args, "sa_shard_tokens", None),
-        index=getattr(args, "index", None),
+        index=getattr(args, "index", None), ann_threshold=getattr(args, "ann_threshold", None),
     )
     m = result.manifest
     tag = f" (tag {args.tag})" if args.tag else ""

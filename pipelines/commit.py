@@ -21,12 +21,13 @@ from specstore.pipelines.append import link_parent_fragments
 from specstore.pipelines.lineage import PIPELINE_VERSION
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
 from specstore.pipelines.summary import BuildSummary
+from specstore.runtime import dense_files as df
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_files
 from specstore.runtime.store import Store, checksum_files, location_sha256
 from specstore.runtime.suffix_array import INDEX_FILES
-from specstore.schemas.manifest import FileInfo, Lineage, Manifest, SourceInfo
+from specstore.schemas.manifest import DenseFiles, FileInfo, Lineage, Manifest, SourceInfo
 from specstore.schemas.tables import tokens_schema
 
 
@@ -51,10 +52,13 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
         )
     data_files = [] if plan.sparse else _commit_table(plan, summary)
     files.remove_staging(plan)
+    dense = None if summary.dense is None else DenseFiles(**summary.dense)
+    if plan.compact and not plan.sparse and dense is None:
+        raise SpecstoreError(f"internal: build {plan.build_id} wrote no dense files")
 
     table_name = Store.table_name(plan.name, plan.build_id)
     own_files = (REJECTED_FILE,) if plan.sparse else (NORMALISER_FILE, REJECTED_FILE)
-    version_files = _index_files(plan) + [files.version_rel(plan, n) for n in own_files] + data_files
+    version_files = _index_files(plan) + [files.version_rel(plan, n) for n in own_files + _dense_files(dense)] + data_files
     checksums = _checksums(plan, version_files)
     base_sources = list(plan.base.sources) if plan.base else []
     sources = base_sources + [
@@ -75,12 +79,19 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
         regenerated=plan.regenerate, sources=sources, index=plan.index, tokens_table="" if plan.sparse else table_name, files=checksums,
         settings=plan.recorded_settings(), lineage=lineage,
         parent_version=plan.base.version if plan.base else (newest[-1].version if newest else None),
-        domain_centroid=None if summary.domain_centroid is None else list(summary.domain_centroid),
+        domain_centroid=None if summary.domain_centroid is None else list(summary.domain_centroid), dense=dense,
     )
     committed = store.commit(manifest)
     if tag is not None:
         store.set_tag(f"{plan.name}@{committed.version}", tag)
     return BuildResult(committed, summary.num_rejected, plan.rejected_path, time.monotonic() - (started or time.monotonic()))
+
+
+def _dense_files(dense: DenseFiles | None) -> tuple[str, ...]:
+    """A compact version's dense files (runtime/dense_files.py), relative to its files folder."""
+    if dense is None:
+        return ()
+    return (df.VECTORS_FILE, df.POSITIONS_FILE, df.BLOCKS_FILE) + tuple(df.ann_file(t) for t in dense.ann_blocks)
 
 
 def _index_files(plan: BuildPlan) -> list[str]:
@@ -111,7 +122,7 @@ def _commit_table(plan: BuildPlan, summary: BuildSummary) -> list[str]:
     fragments = [FragmentMetadata.from_json(f) for f in summary.fragments]
     if plan.base is not None:
         fragments = link_parent_fragments(plan.base, plan.table_uri, plan.location) + fragments
-    schema = tokens_schema(plan.pca_dims, plan.continuation_length)
+    schema = tokens_schema(plan.pca_dims, plan.continuation_length, plan.vocab_size)
     dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments), storage_options=options)
     if dataset.count_rows() != summary.num_tokens or summary.num_rows != summary.num_tokens:
         raise SpecstoreError(f"internal: {dataset.count_rows()} table rows for {summary.num_tokens} stream tokens")

@@ -17,7 +17,7 @@ from specstore.runtime.errors import SpecstoreError
 from specstore.schemas.manifest import Manifest, ModelInfo
 
 MODES = ("full", "append", "refit")
-PIPELINE_VERSION = "build-1"
+PIPELINE_VERSION = "build-2"  # build-2: compact dense versions (int8 table, dense/ files)
 # settings that change what a build produces (model_path is compared through the model's hash instead)
 _IGNORED_SETTINGS = ("model_path",)
 

@@ -76,4 +76,5 @@ def fit_normaliser(stats: NormStats, dims: int) -> Normaliser:
     components = eigvecs[:, order].T
     signs = np.sign(components[np.arange(dims), np.abs(components).argmax(axis=1)])
     components *= np.where(signs == 0, 1.0, signs)[:, None]
-    return Normaliser(mean=mean, std=std, components=components, pca_mean=np.zeros(hidden))
+    return Normaliser(mean=mean, std=std, components=components, pca_mean=np.zeros(hidden),
+                      variances=np.clip(eigvals[order], 0.0, None))

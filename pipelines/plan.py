@@ -20,6 +20,7 @@ from specstore.pipelines import append
 from specstore.pipelines.append import BaseVersion
 from specstore.pipelines.corpus import Chunk, Source, plan_chunks, resolve_sources, source_sha256
 from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, refit_paths
+from specstore.runtime.dense_files import ANN_THRESHOLD
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.storage import Location, is_remote
@@ -30,8 +31,8 @@ STAGING_DIR = "_staging"
 SUMMARY_FILE = "summary.json"
 # the plan's settings a manifest records (with model_path and normaliser_from); the unchanged check compares them
 SETTINGS_KEPT = ("dtype", "max_docs", "max_doc_tokens", "max_new_tokens", "batch_tokens", "generate_batch", "fit_rows_per_batch", "spill_dtype",
-                 "sa_shard_tokens")
-_POSITIVE = ("max_doc_tokens", "max_new_tokens", "pca_dims", "continuation_length", "batch_tokens", "sa_shard_tokens")
+                 "sa_shard_tokens", "ann_threshold")
+_POSITIVE = ("max_doc_tokens", "max_new_tokens", "pca_dims", "continuation_length", "batch_tokens", "sa_shard_tokens", "ann_threshold")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class BuildPlan:
     normaliser_path: str | None = None  # a normaliser to reuse instead of fitting one
     normaliser_from: str | None = None  # recorded: the parent's build_id (append) or the reused file's hash
     sa_shard_tokens: int | None = None  # build the suffix array in shards of at most this many tokens
+    compact: bool = True  # dense: int8 table and dense/ files (runtime/dense_files.py); False: the old form (an append to an old version)
+    ann_threshold: int = ANN_THRESHOLD  # dense: blocks of at least this many rows get an approximate index
     unchanged: VersionRecord | None = None  # the newest version, which this build would reproduce: nothing to run
     storage_options: tuple[tuple[str, str], ...] = ()  # a remote store's options as given (workers add their environment's)
 
@@ -98,6 +101,11 @@ class BuildPlan:
     @property
     def sparse(self) -> bool:
         return self.index == "sparse"
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The compact table's vocabulary (its token type), None for the old form."""
+        return self.model_info.vocab_size if self.compact and self.model_info is not None else None
 
     def source(self, index: int) -> Source:
         """The source numbered ``index`` (an append numbers its sources after the parent's)."""
@@ -157,6 +165,7 @@ def plan_build(
     if mode == "append":
         index = append.kept_index(parent.manifest, index)
         settings |= append.kept_settings(parent.manifest, sa_shard_tokens)
+        settings["compact"] = parent.manifest.dense is not None  # one table holds one form: an old parent's append stays old
         if index == "dense":
             normaliser = store.location.child(f"{Store.files_rel(name, parent.build_id)}/{NORMALISER_FILE}")
             normaliser_from = parent.build_id

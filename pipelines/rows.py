@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from specstore.schemas.tables import PAD_TOKEN, tokens_schema
+from specstore.schemas.tables import PAD_TOKEN, token_type, tokens_schema
 
 
 def continuations(tokens: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -33,9 +33,12 @@ def rows_table(
     starts: list[int],
     embeddings: np.ndarray,
     continuation_length: int,
+    vocab_size: int | None = None,
 ) -> pa.Table:
     """Rows for whole documents: ``docs[i]`` int32 [T_i] starting at stream offset ``starts[i]``;
-    ``embeddings`` float32 [sum T_i, D] in the same document-then-position order."""
+    ``embeddings`` float32 [sum T_i, D] in the same document-then-position order. With
+    ``vocab_size``, the compact form (schemas/tables.py): ``embeddings`` are int8 codes, tokens
+    are in ``token_type(vocab_size)`` with its padding value."""
     dims = embeddings.shape[1]
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
     total = int(lengths.sum())
@@ -45,13 +48,19 @@ def rows_table(
     conts = [continuations(d, continuation_length) for d in docs]
     cont = np.concatenate([c for c, _ in conts]) if total else np.zeros((0, continuation_length), np.int32)
     cont_len = np.concatenate([n for _, n in conts]) if total else np.zeros(0, np.int8)
+    token_ids = np.concatenate(docs).astype(np.int32) if total else np.zeros(0, np.int32)
+    vectors = embeddings.astype(np.float32)
+    if vocab_size is not None:
+        _, dtype, pad = token_type(vocab_size)
+        cont, token_ids = np.where(cont == PAD_TOKEN, pad, cont).astype(dtype), token_ids.astype(dtype)
+        vectors = np.asarray(embeddings, dtype=np.int8)
     columns = {
         "doc_id": pa.array(np.repeat(np.asarray(doc_ids, dtype=np.int64), lengths)),
         "position": pa.array(positions),
         "offset": pa.array(np.repeat(np.asarray(starts, dtype=np.int64), lengths) + positions),
-        "token_id": pa.array(np.concatenate(docs).astype(np.int32) if total else np.zeros(0, np.int32)),
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(embeddings.astype(np.float32).ravel()), dims),
+        "token_id": pa.array(token_ids),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), dims),
         "continuation": pa.FixedSizeListArray.from_arrays(pa.array(cont.ravel()), continuation_length),
         "continuation_len": pa.array(cont_len),
     }
-    return pa.table(columns, schema=tokens_schema(dims, continuation_length))
+    return pa.table(columns, schema=tokens_schema(dims, continuation_length, vocab_size))

@@ -27,6 +27,7 @@ class WrittenFragment:
     fragments: tuple[str, ...]  # Lance FragmentMetadata, as JSON
     num_rows: int
     embedding_sum: tuple[float, ...]  # sum of the rows' embeddings (float64), for the domain centroid
+    dense_path: str | None = None  # compact build: its staged int8 rows for the dense files (writers.write_dense)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class BuildSummary:
     fragments: tuple[str, ...]  # the new fragments' Lance FragmentMetadata (JSON), in stream order
     domain_centroid: tuple[float, ...] | None  # mean embedding of every row
     sources: dict[int, SourceCounts]  # per source index of this build
+    dense: dict | None = None  # compact build: schemas.manifest.DenseFiles fields (writers.write_dense)
 
     def to_json(self) -> str:
         return json.dumps({
@@ -54,6 +56,7 @@ class BuildSummary:
             "fragments": list(self.fragments),
             "domain_centroid": None if self.domain_centroid is None else list(self.domain_centroid),
             "sources": {str(i): {"num_records": c.num_records, "num_rejected": c.num_rejected} for i, c in self.sources.items()},
+            "dense": self.dense,
         })
 
     @classmethod
@@ -65,6 +68,7 @@ class BuildSummary:
             num_new_tokens=d["num_new_tokens"], num_rows=d["num_rows"], num_rejected=d["num_rejected"],
             fragments=tuple(d["fragments"]), domain_centroid=None if centroid is None else tuple(centroid),
             sources={int(i): SourceCounts(c["num_records"], c["num_rejected"]) for i, c in d["sources"].items()},
+            dense=d.get("dense"),
         )
 
     def write(self, path: Path) -> None:
@@ -78,7 +82,7 @@ class BuildSummary:
 
 def summarise(
     written: list[WrittenFragment], layout: StreamLayout, base: BaseVersion | None, *, num_rejected: int,
-    source_indices: list[int], read_counts: dict[int, int], rejected_counts: dict[int, int],
+    source_indices: list[int], read_counts: dict[int, int], rejected_counts: dict[int, int], dense: dict | None = None,
 ) -> BuildSummary:
     """The summary of a build from its written fragments and layout (an append's parent's rows
     and embedding sum included) and the records read and rejected per source."""
@@ -94,4 +98,5 @@ def summarise(
         sources={
             i: SourceCounts(int(read_counts.get(i, 0)), int(rejected_counts.get(i, 0))) for i in source_indices
         },
+        dense=dense,
     )

@@ -158,9 +158,15 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         staged = p | "NoStaged" >> beam.Create([])
         normaliser = p | "NoNormaliser" >> beam.Create([])
         fragments = p | "NoFragments" >> beam.Create([])
+        dense = p | "NoDense" >> beam.Create([None])
     else:
         fragments = staged | "WriteFragments" >> beam.FlatMap(
             steps.write_fragment, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan
+        )
+        dense = (  # the compact dense files: every fragment's rows meet on one worker (memory-mapped outputs)
+            fragments
+            | "CollectDenseRows" >> beam.combiners.ToList()
+            | "WriteDense" >> beam.Map(writers.write_dense, normaliser=AsSingleton(normaliser), layout=AsSingleton(layout), plan=plan)
         )
     num_rejected = (
         prepared.rejected
@@ -177,6 +183,7 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         | "Summary" >> beam.Map(
             _write_summary, plan=plan, layout=AsSingleton(layout), num_rejected=AsSingleton(num_rejected),
             read_counts=AsDict(read_counts), rejected_counts=AsDict(rejected_counts), shards_done=AsList(shards_done),
+            dense=AsSingleton(dense),
         )
     )
     return BuildOutputs(records, documents, prepared.rejected, staged, normaliser, layout, fragments, summary)
@@ -184,7 +191,7 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
 
 def _write_summary(
     written: list[WrittenFragment], plan: BuildPlan, layout: StreamLayout, num_rejected: int, read_counts: dict,
-    rejected_counts: dict, shards_done: list[int],
+    rejected_counts: dict, shards_done: list[int], dense: dict | None = None,
 ) -> BuildSummary:
     """Everything the driver needs to commit, as one small JSON file in the staging folder
     (written after every fragment and suffix-array shard, and, one array, after the stream)."""
@@ -192,7 +199,7 @@ def _write_summary(
         raise RuntimeError(f"internal: shards written {sorted(shards_done)}, layout has {len(layout.shards)}")
     summary = summarise(
         written, layout, plan.base, num_rejected=num_rejected, source_indices=[s.index for s in plan.sources],
-        read_counts=read_counts, rejected_counts=rejected_counts,
+        read_counts=read_counts, rejected_counts=rejected_counts, dense=dense,
     )
     files.write_summary(plan, summary)
     return summary

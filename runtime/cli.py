@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from specstore.runtime.dense_files import ANN_THRESHOLD
 from specstore.runtime.errors import SpecstoreError
 
 # the build's --dtype help (runtime/device.resolve_build_dtype decides; not imported here: it imports torch)
@@ -84,6 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="dense (default): embed every token with the model (tokens table + normaliser: dresd, respec's dense source); "
                    "sparse: token stream and suffix array only, tokenizer alone, no model forward (rest, pld, respec without its "
                    "dense source; much faster, for large corpora). --append keeps the parent's kind")
+    p.add_argument("--ann-threshold", type=int, default=None, metavar="N",
+                   help=f"dense: next-token blocks of at least N rows get an approximate (faiss) index, smaller ones are searched "
+                   f"exactly (default {ANN_THRESHOLD}; --append keeps the parent's)")
     p.add_argument("--force", action="store_true", help="build even when corpus content, settings and model are unchanged")
     p.set_defaults(handler=_cmd_build, forwards_to="beam")
 

@@ -6,7 +6,11 @@ present with its recorded size, the suffix index's ``.npy`` headers consistent w
 manifest's counts; full checksums only on request, as ``specstore verify`` does), refusing a
 version built for another model or tokenizer (the error names the field), and holding what the
 drafters read: the normaliser, the memory-mapped suffix array, the rows' continuations and the
-dense index. A sparse version (``manifest.index == "sparse"``) has only the suffix index: no
+dense index. A compact dense version (``manifest.dense``) has its vectors in memory-mapped int8
+files (dense_files.py): loading its dense index maps them and reads only their headers and the
+block table, and its continuations come from the token stream. An old-form version's tokens
+table is read whole (float32 embeddings and int32 continuations) and sorted at load. A sparse
+version (``manifest.index == "sparse"``) has only the suffix index: no
 normaliser, no tokens table; asking it for its dense index is a SpecstoreError. Does not own the
 store catalogue (store.py), building versions (pipelines/) or drafting.
 """
@@ -22,6 +26,7 @@ import pyarrow as pa
 import torch
 
 from specstore.runtime.dense import DenseIndex
+from specstore.runtime.dense_files import StreamContinuations, ann_file, open_compact
 from specstore.runtime.errors import ChecksumError, ManifestMismatchError, SpecstoreError
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.sharded_suffix import ShardedSuffixIndex, load_suffix_index
@@ -44,15 +49,16 @@ def check_model(manifest: Manifest, info: ModelInfo) -> None:
 
 @dataclass
 class Datastore:
-    """One opened version. ``continuations``: int32 [N, L] (-1 padded) and ``continuation_lens``:
-    int [N], one row per datastore position in table order; ``dense`` searches the same rows.
-    ``normaliser`` is None for a sparse version."""
+    """One opened version. ``continuations``: what the dense index's row ids index: for an
+    old-form version int32 [N, L] (-1 padded, with ``continuation_lens`` int [N]), one row per
+    datastore position in table order; for a compact one a ``StreamContinuations`` over the
+    token stream (row ids are stream positions). ``normaliser`` is None for a sparse version."""
 
     store: Store
     record: VersionRecord
     normaliser: Normaliser | None
     suffix: SuffixIndex | ShardedSuffixIndex
-    continuations: np.ndarray | None = None
+    continuations: np.ndarray | StreamContinuations | None = None
     continuation_lens: np.ndarray | None = None
     dense: DenseIndex | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -117,13 +123,15 @@ class Datastore:
         return ds
 
     def load_dense(self) -> DenseIndex:
-        """Read the tokens table's embeddings and continuations and build the dense index
-        (SpecstoreError for a sparse version, which has none)."""
+        """The dense index (SpecstoreError for a sparse version, which has none): a compact
+        version's files mapped, or an old-form version's tokens table read and sorted."""
         if self.dense is not None:
             return self.dense
         m = self.manifest
         if not self.has_dense:
             raise SpecstoreError(f"datastore {self.ref} is sparse: it has no dense index (tokens table); rebuild it with --index dense")
+        if m.dense is not None:
+            return self._map_dense()
         try:
             table = self.store.open_table(m.tokens_table)
         except Exception as exc:  # lancedb raises several types for a missing or unreadable table
@@ -140,15 +148,35 @@ class Datastore:
         return self.dense
 
 
+    def _map_dense(self) -> DenseIndex:
+        m = self.manifest
+        store, prefix = self.store, Store.files_rel(m.name, m.build_id)
+        fetch = None
+        if store.location.remote:  # an approximate index is fetched into the file cache on its block's first search
+            from specstore.runtime.file_cache import FileCache
+
+            def fetch(rel: str) -> Path:
+                return FileCache().fetch(store.location, f"{prefix}/{rel}", m.files[f"{prefix}/{rel}"])
+
+        files = _local_files(store, m)
+        compact = open_compact(files, m.dense, m.pca_dims, m.model.vocab_size, m.files, prefix, fetch)
+        self.continuations = StreamContinuations(self.suffix, m.model.vocab_size)
+        self.dense = DenseIndex.from_blocks(compact.codes, np.asarray(m.dense.scales, np.float32), compact.positions,
+                                            compact.blocks, compact.ann)
+        return self.dense
+
+
 def _local_files(store: Store, manifest: Manifest) -> Path:
     """The version's files folder: in place for a local store; for a remote one, a folder of
-    the host's file cache holding what is mapped (not the rejected records)."""
+    the host's file cache holding what is mapped (not the rejected records, nor the approximate
+    indexes, fetched when first used)."""
     if not store.location.remote:
         return store.files_dir(manifest.name, manifest.build_id)
     from specstore.runtime.file_cache import FileCache
 
+    ann = tuple(ann_file(t) for t in manifest.dense.ann_blocks) if manifest.dense is not None else ()
     return FileCache().version_dir(store.location, Store.files_rel(manifest.name, manifest.build_id), manifest.files,
-                                   skip=(REJECTED_FILE,))
+                                   skip=(REJECTED_FILE, *ann))
 
 
 def _load(path: Path, loader):
@@ -180,7 +208,10 @@ def _check_suffix(manifest: Manifest, suffix: SuffixIndex | ShardedSuffixIndex, 
 
 
 def _check_schema(ref: str, manifest: Manifest, schema: pa.Schema) -> None:
-    expected = tokens_schema(manifest.pca_dims, manifest.continuation_length)
+    """The tokens table's columns against the manifest: the compact form when it has ``dense``
+    (int8 embeddings, tokens in the vocabulary's narrowest type), else the old form."""
+    vocab = manifest.model.vocab_size if manifest.dense is not None else None
+    expected = tokens_schema(manifest.pca_dims, manifest.continuation_length, vocab)
     for f in expected:
         if schema.get_field_index(f.name) < 0:
             raise SpecstoreError(f"tokens table of {ref} has no column '{f.name}'")

@@ -5,12 +5,19 @@ version (inner product = cosine), optionally restricted to the positions whose s
 equals a given token (DReSD's filter). Does not own the query transform (normaliser.py), loading
 the rows (datastore.py) or turning neighbours into drafts (drafters/dresd.py).
 
-Layout: rows are sorted once by their stored next token, so the positions sharing a next token
-are one contiguous block. A filtered search is then an *exact* matrix-vector product over that
-block only, on the CPU (numpy) or on a GPU (torch, everything resident on the device). The blocks
-are small (a datastore's most frequent token is a few percent of it), which is why this beats an
-approximate index here: the filter shrinks the search to one block at no loss of recall, while
-an ANN index answers the unfiltered question, whose neighbours the filter then mostly drops.
+Layout: rows are sorted by their stored next token, so the positions sharing a next token are
+one contiguous block. A filtered search is then a matrix-vector product over that block only:
+the filter shrinks the search to one block at no loss of recall, while an unfiltered ANN index
+answers the unfiltered question, whose neighbours the filter then mostly drops.
+
+Two ways to get there, one search. An old-form version's float32 rows are sorted here, at load
+(``DenseIndex(embeddings, next_tokens)``; on the CPU, or everything resident on a GPU). A
+compact version's build wrote them sorted (dense_files.py): ``DenseIndex.from_blocks`` takes its
+memory-mapped int8 codes, their per-dimension scales, the row ids and the block table as they
+are, and reads a block's codes only when a search asks for it. A block with an approximate index
+(faiss, built for blocks above the build's threshold) is searched through it: its candidates are
+reranked exactly on the int8 rows; a block without one is scanned exactly. Every row id and
+block bound read from a file is checked: a damaged file may cost recall, never a crash.
 """
 
 from __future__ import annotations
@@ -26,20 +33,25 @@ NO_NEXT_TOKEN = -1  # stored next token of a document's last position (nothing f
 @dataclass(slots=True)
 class Neighbours:
     """``rows``: int64 [k] row indices into the arrays the index was built from, best first;
-    ``scores``: float32 [k] inner products."""
+    ``scores``: float32 [k] inner products; ``next_token``: the block searched (None: all)."""
 
     rows: np.ndarray
     scores: np.ndarray
+    next_token: int | None = None
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
 
+SCAN_CHUNK = 1 << 14  # rows of a mapped block converted and scored at once (bounded temporary memory)
+
+
 class DenseIndex:
-    """Exact inner-product search, whole or restricted to one next-token block.
+    """Inner-product search, whole or restricted to one next-token block.
 
     ``embeddings``: float32 [N, D] (unit rows); ``next_tokens``: int [N], ``-1`` where no token
     follows. ``device``: where vectors live and products run (``cpu`` or a CUDA device).
+    ``from_blocks`` makes one over already block-sorted (mapped) arrays instead.
     """
 
     def __init__(self, embeddings: np.ndarray, next_tokens: np.ndarray, device: str | torch.device = "cpu"):
@@ -54,6 +66,8 @@ class DenseIndex:
         sorted_tokens = next_tokens[order]
         tokens, starts, counts = np.unique(sorted_tokens, return_index=True, return_counts=True)
         self._blocks = {int(t): (int(s), int(s + c)) for t, s, c in zip(tokens, starts, counts, strict=True)}
+        self._scales = None
+        self._ann = None
         vectors = np.ascontiguousarray(embeddings[order])
         if self.device.type == "cpu":
             self._vectors = vectors
@@ -62,6 +76,27 @@ class DenseIndex:
             self._vectors = None
             self._torch_vectors = torch.from_numpy(vectors).to(self.device)
             self._torch_rows = torch.from_numpy(self.rows).to(self.device)
+
+    @classmethod
+    def from_blocks(cls, codes: np.ndarray, scales: np.ndarray | None, rows: np.ndarray, blocks: dict[int, tuple[int, int]],
+                    ann=None) -> DenseIndex:
+        """An index over rows already sorted into blocks, used as they are (memory maps stay
+        maps; nothing is copied or sorted). ``codes``: [M, D], float32 vectors or int8 codes with
+        per-dimension ``scales`` (vector = code / scale); ``rows``: [M] the id each sorted row
+        answers with; ``blocks``: next token -> (start, end) into them, each within [0, M];
+        ``ann``: None, or a callable token -> that block's approximate index or None (an object
+        with ``rerank`` and ``candidates(query, count)`` -> row offsets in the block, as
+        dense_files.ApproximateBlock). Searches run on the CPU."""
+        self = cls.__new__(cls)
+        self.device = torch.device("cpu")
+        self.dims = int(codes.shape[1])
+        self.rows = rows
+        self._blocks = blocks
+        self._scales = None if scales is None else np.asarray(scales, dtype=np.float32)
+        self._ann = ann
+        self._vectors = codes
+        self._torch_vectors = None
+        return self
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -84,15 +119,48 @@ class DenseIndex:
         if self._torch_vectors is not None:
             return self._search_torch(query, k, start, end)
         q = query.detach().float().cpu() if isinstance(query, torch.Tensor) else torch.from_numpy(np.asarray(query, np.float32))
+        q = q.reshape(-1)
+        if self._scales is not None:  # code . (q / scale) = (code / scale) . q: the dequantised product
+            q = q / torch.from_numpy(self._scales)
+        index = self._ann(int(next_token)) if self._ann is not None and next_token is not None else None
+        if index is not None:
+            best, scores = self._search_ann(index, query, q, k, start, end)
+        else:
+            best, scores = self._scan(q, k, start, end)
+        return Neighbours(np.asarray(self.rows[start + best], dtype=np.int64), scores.astype(np.float32), next_token)
+
+    def _scan(self, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top ``k`` of the block: (offsets into it, scores), best first."""
         # the product runs in torch (zero-copy views), not numpy: numpy's BLAS threads keep
         # spinning after a call and then slow the target's next forward ~3x on a 2-core CPU
-        scores = (torch.from_numpy(self._vectors[start:end]) @ q.reshape(-1)).numpy()
-        if k < scores.shape[0]:
-            part = np.argpartition(-scores, k - 1)[:k]
-        else:
-            part = np.arange(scores.shape[0])
-        best = part[np.lexsort((part, -scores[part]))]  # by score, ties by position: deterministic
-        return Neighbours(self.rows[start + best], scores[best].astype(np.float32))
+        if end - start <= SCAN_CHUNK:
+            scores = (self._block_tensor(start, end) @ q).numpy()
+            return _top(scores, np.arange(end - start), k)
+        keep_rows, keep_scores = [], []
+        for lo in range(start, end, SCAN_CHUNK):
+            hi = min(lo + SCAN_CHUNK, end)
+            rows, scores = _top((self._block_tensor(lo, hi) @ q).numpy(), np.arange(lo - start, hi - start), k)
+            keep_rows.append(rows)
+            keep_scores.append(scores)
+        return _top(np.concatenate(keep_scores), np.concatenate(keep_rows), k)
+
+    def _block_tensor(self, start: int, end: int) -> torch.Tensor:
+        block = self._vectors[start:end]
+        if block.dtype == np.float32 and block.flags.writeable:
+            return torch.from_numpy(block)
+        return torch.from_numpy(np.array(block, dtype=np.float32))  # int8 codes (or a read-only map): converted
+
+    def _search_ann(self, index, query, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block's approximate index proposes ``k * rerank`` candidates; the exact int8
+        product over those rows ranks them. Ids outside the block (a damaged index) are dropped."""
+        raw = query.detach().float().cpu().numpy() if isinstance(query, torch.Tensor) else np.asarray(query, np.float32)
+        ids = np.asarray(index.candidates(raw, min(end - start, k * index.rerank)), dtype=np.int64)
+        ids = np.unique(ids[(ids >= 0) & (ids < end - start)])
+        if ids.size == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        codes = np.asarray(self._vectors[start + ids], dtype=np.float32)
+        scores = (torch.from_numpy(codes) @ q).numpy()
+        return _top(scores, ids, min(k, ids.size))
 
     def _search_torch(self, query, k: int, start: int, end: int) -> Neighbours:
         q = torch.as_tensor(query).to(self.device, torch.float32).reshape(-1)
@@ -102,3 +170,11 @@ class DenseIndex:
         # one transfer: the drafter builds its tree on the host
         both = torch.stack([rows.to(torch.float64), top.values.to(torch.float64)]).cpu().numpy()
         return Neighbours(both[0].astype(np.int64), both[1].astype(np.float32))
+
+
+def _top(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best (ids, scores), by score, ties by id: deterministic."""
+    k = min(k, scores.shape[0])
+    part = np.argpartition(-scores, k - 1)[:k] if k < scores.shape[0] else np.arange(scores.shape[0])
+    best = part[np.lexsort((ids[part], -scores[part]))]
+    return ids[best].astype(np.int64), scores[best]

@@ -14,7 +14,7 @@ overlay's store and search (overlay.py), the HTTP layer (serve.py) or the log's 
 Versions: a request takes a snapshot of the open versions when it starts and decodes with it to
 the end, so a switch never happens inside a request. ``gc`` of a version still in use is safe:
 its suffix array and stream stay mapped after the files go (Linux keeps an unlinked mapped file)
-and dense rows are read into memory on open (retention.py).
+and so are a compact version's dense files (an old-form version's rows are read into memory on open; retention.py).
 
 The overlay (``overlay=True`` or a ServedOverlay; off by default): one per engine, fed in
 ``_served`` with each finished request (its response; its prompt too when the overlay keeps

@@ -18,12 +18,15 @@ _EPS = 1e-6
 
 @dataclass(frozen=True)
 class Normaliser:
-    """``mean``, ``std``: [H]; ``components``: [D, H] (rows are principal axes); ``pca_mean``: [H]."""
+    """``mean``, ``std``: [H]; ``components``: [D, H] (rows are principal axes); ``pca_mean``: [H];
+    ``variances``: [D] the variance along each axis (the PCA eigenvalues; None in a file written
+    before they were kept), from which a compact version's int8 scales come (``code_scales``)."""
 
     mean: np.ndarray
     std: np.ndarray
     components: np.ndarray
     pca_mean: np.ndarray
+    variances: np.ndarray | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -63,8 +66,18 @@ class Normaliser:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_tensors", {})
 
+    def code_scales(self) -> np.ndarray:
+        """Per-dimension int8 scales of this transform's unit vectors (dense_files.quantise):
+        from the axes' variances, or one scale over [-1, 1] when they are unknown."""
+        from specstore.runtime.dense_files import CODE_MAX, scales_from_variances
+
+        if self.variances is None:
+            return np.full(self.dims, CODE_MAX, dtype=np.float32)
+        return scales_from_variances(self.variances)
+
     def save(self, path: Path) -> None:
-        np.savez(path, mean=self.mean, std=self.std, components=self.components, pca_mean=self.pca_mean)
+        extra = {} if self.variances is None else {"variances": self.variances}
+        np.savez(path, mean=self.mean, std=self.std, components=self.components, pca_mean=self.pca_mean, **extra)
 
     @classmethod
     def load(cls, path: Path) -> Normaliser:
@@ -74,4 +87,5 @@ class Normaliser:
                 std=data["std"].astype(np.float64),
                 components=data["components"].astype(np.float64),
                 pca_mean=data["pca_mean"].astype(np.float64),
+                variances=data["variances"].astype(np.float64) if "variances" in data.files else None,
             )

@@ -10,8 +10,10 @@ builds. An orphan is removed only once nothing in it changed for ``grace_seconds
 still running is not hit. Does not own building (pipelines/) or reading versions (datastore.py).
 
 A reader that already opened a version keeps working after gc removes it: the suffix array and
-stream are memory maps (an unlinked file stays readable while mapped, on Linux) and the rows it
-uses are loaded into memory on open (``dense=True``). Opening a removed version fails cleanly.
+stream are memory maps (an unlinked file stays readable while mapped, on Linux), so are a compact
+version's dense files (an approximate index first wanted after its file went is skipped: that
+block is scanned exactly), and an old-form version's rows are loaded into memory on open
+(``dense=True``). Opening a removed version fails cleanly.
 """
 
 from __future__ import annotations

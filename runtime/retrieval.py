@@ -34,7 +34,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from specstore.runtime.dense import DenseIndex, Neighbours
 from specstore.runtime.normaliser import Normaliser
 from specstore.runtime.suffix_array import SEPARATOR
-from specstore.schemas.tables import PAD_TOKEN
+from specstore.schemas.tables import DEFAULT_CONTINUATION_LENGTH, PAD_TOKEN
 
 
 @dataclass(slots=True)
@@ -162,22 +162,27 @@ def ranked_drafts(sample: SuffixSample, num: int) -> list[Continuation]:
 class DenseSource:
     """Dense neighbours of one datastore version: ``normaliser`` and ``index`` from the same
     version (a query and the rows go through the same transform, which is what makes them
-    comparable); ``continuations``: int [N, L] rows aligned with the index, ``[:, 0]`` each
-    position's stored next token (the filter key), PAD_TOKEN after a document's end."""
+    comparable); ``continuations``: what the index's row ids index: int [N, L] rows aligned with
+    the index (an old-form version: ``[:, 0]`` each position's stored next token, the filter
+    key, PAD_TOKEN after a document's end), or a ``StreamContinuations`` (a compact version: row
+    ids are stream positions, continuations the stream after them)."""
 
-    def __init__(self, normaliser: Normaliser, index: DenseIndex, continuations: np.ndarray):
-        if len(index) != len(continuations):
-            raise ValueError(f"index has {len(index)} rows but continuations {len(continuations)}")
+    def __init__(self, normaliser: Normaliser, index: DenseIndex, continuations, max_length: int | None = None):
         self.normaliser = normaliser
         self.index = index
         self.continuations = continuations
-        self.max_length = int(continuations.shape[1]) - 1  # tokens stored after the pending one
+        if isinstance(continuations, np.ndarray):
+            if len(index) != len(continuations):
+                raise ValueError(f"index has {len(index)} rows but continuations {len(continuations)}")
+            self.max_length = int(continuations.shape[1]) - 1  # tokens stored after the pending one
+        else:
+            self.max_length = int(max_length if max_length is not None else DEFAULT_CONTINUATION_LENGTH - 1)
 
     @classmethod
     def from_datastore(cls, datastore) -> DenseSource:
-        """The datastore's dense source (loads its tokens table when not loaded yet)."""
+        """The datastore's dense source (loads its dense index when not loaded yet)."""
         index = datastore.load_dense()
-        return cls(datastore.normaliser, index, datastore.continuations)
+        return cls(datastore.normaliser, index, datastore.continuations, datastore.manifest.continuation_length - 1)
 
     def search(self, hidden: torch.Tensor, pending: int, k: int) -> Neighbours:
         """The ``k`` nearest positions to ``hidden`` [H] (the target's state at the token before
@@ -192,6 +197,13 @@ class DenseSource:
         tokens, cut at the document's end), best neighbour first; empty ones left out."""
         length = min(length, self.max_length)
         out = []
+        if not isinstance(self.continuations, np.ndarray):
+            pending = found.next_token
+            for row in found.rows.tolist():
+                draft = self.continuations.draft(row, pending, length) if pending is not None and length > 0 else []
+                if draft:
+                    out.append(Continuation(row + 2, draft))  # the stream offset where the draft starts
+            return out
         for row, cont in zip(found.rows.tolist(), self.continuations[found.rows, 1 : 1 + length], strict=True):
             pad = np.flatnonzero(cont == PAD_TOKEN)
             draft = cont[: int(pad[0]) if pad.size else len(cont)].tolist()

@@ -63,6 +63,28 @@ class Lineage(BaseModel):
     normaliser_from: str | None = Field(None, description="build_id whose normaliser was reused (None: fitted here)")
 
 
+class DenseFiles(BaseModel):
+    """A dense version's compact vectors (format 1): files ``dense/vectors.npy`` (int8 [num_rows,
+    pca_dims], block-sorted by next token, stream order within a block), ``dense/positions.npy``
+    (``positions_dtype`` [num_rows]: the stream position of each row; its continuation is the
+    stream after it) and ``dense/blocks.npy`` (int64 [B, 3]: next token, first row, end row), plus
+    ``dense/ann/<token>.faiss`` for every token in ``ann_blocks``. Only positions followed by a
+    token of their document have a row. The tokens table's ``embedding`` column holds the same
+    int8 codes in stream order. A version without this field (None) is in the old form: float32
+    embeddings and int32 continuations in its tokens table, nothing else."""
+
+    model_config = ConfigDict(frozen=True)
+
+    format: int = 1
+    scales: list[float] = Field(description="per dimension: code = clip(round(x * scale), -127, 127), x ~ code / scale")
+    num_rows: int
+    positions_dtype: Literal["uint32", "int64"] = "uint32"
+    ann_threshold: int = Field(description="blocks of at least this many rows have an approximate index")
+    ann_blocks: list[int] = Field(default_factory=list, description="next tokens whose block has dense/ann/<token>.faiss")
+    ann_nprobe: int = 64  # inverted lists an index search visits
+    ann_rerank: int = 8  # candidates per wanted neighbour, reranked exactly on the int8 rows
+
+
 class Manifest(BaseModel):
     """Everything a reader needs to trust and use one datastore version."""
 
@@ -93,3 +115,4 @@ class Manifest(BaseModel):
     domain_centroid: list[float] | None = Field(
         None, description="mean of the version's reduced embeddings (for domain routing)"
     )
+    dense: DenseFiles | None = Field(None, description="compact, memory-mapped dense files (None: old form, or sparse)")

@@ -39,14 +39,18 @@ def write_datastore(
     pca_dims: int = 8,
     continuation_length: int = 10,
     tag: str | None = None,
+    compact: bool = True,
+    ann_threshold: int | None = None,
 ) -> Manifest:
     """Commit documents ``docs`` (doc ids 0, 1, ...) with hidden states ``hiddens[i]`` [T_i, H]
-    as a new version of ``name``, built with ``info``'s model."""
+    as a new version of ``name``, built with ``info``'s model; ``compact`` False writes the old
+    form (float32 table, no dense files), as versions built before the compact form are."""
     build_id = Store.new_build_id()
     plan = BuildPlan(
         name=name, build_id=build_id, store_root=str(store.root), table_uri=store.table_uri(Store.table_name(name, build_id)),
         files_dir=str(store.files_dir(name, build_id)), sources=(), model_path="", model_info=info, pca_dims=pca_dims,
-        continuation_length=continuation_length,
+        continuation_length=continuation_length, compact=compact,
+        **({} if ann_threshold is None else {"ann_threshold": ann_threshold}),
     )
     doc_ids = list(range(len(docs)))
     tokens = [np.asarray(d, dtype=np.int32) for d in docs]
@@ -55,9 +59,27 @@ def write_datastore(
     staged = save_staged(plan.staging_dir, "all", doc_ids, tokens, list(hiddens), plan.spill_dtype)
     written = writers.write_fragment(staged, normaliser, layout, plan)
     writers.write_rejected([], plan)
-    summary = summarise([written], layout, None, num_rejected=0, source_indices=[], read_counts={}, rejected_counts={})
+    dense = writers.write_dense([written], normaliser, layout, plan)
+    summary = summarise([written], layout, None, num_rejected=0, source_indices=[], read_counts={}, rejected_counts={}, dense=dense)
     summary.write(plan.summary_path)
     return finalise(store, plan, tag=tag).manifest
+
+
+def stream_continuations(ds, length: int | None = None) -> np.ndarray:
+    """The continuation of every stream position of an opened version, as an old-form table
+    row holds it: int [len(stream), L], the L tokens after the position cut at its document's
+    end and padded with -1; all -1 for a separator. A compact version's dense row ids are
+    stream positions, so this indexes like its ``continuations`` reader."""
+    length = length or ds.manifest.continuation_length
+    shards = getattr(ds.suffix, "shards", None) or [ds.suffix]
+    stream = np.concatenate([np.asarray(s.stream) for s in shards]).astype(np.int64)
+    out = np.full((len(stream), length), -1, dtype=np.int64)
+    for p in np.flatnonzero(stream >= 0):
+        window = stream[p + 1 : p + 1 + length]
+        cut = np.flatnonzero(window < 0)
+        window = window[: int(cut[0]) if cut.size else len(window)]
+        out[p, : len(window)] = window
+    return out
 
 
 TEXTS = [

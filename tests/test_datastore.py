@@ -39,12 +39,12 @@ def test_open_by_name_version_and_tag(tmp_path):
     assert Datastore.open(store, "code@1", INFO).manifest.build_id == m1.build_id
     ds = Datastore.open(str(tmp_path), "code@prod", INFO)
     assert ds.ref == "code@1" and ds.manifest.build_id == m1.build_id
-    assert len(ds.suffix) == 4 * 31 and len(ds.dense) == 4 * 30
-    assert ds.continuations.shape == (120, 5) and ds.continuation_lens.max() == 5
-    # continuations in the table agree with the token stream the suffix array indexes
+    assert len(ds.suffix) == 4 * 31 and len(ds.dense) == 4 * 29  # a row per position a token follows
+    # continuations come from the token stream the suffix array indexes, cut at the document's end
     stream = np.asarray(ds.suffix.stream)
-    assert np.array_equal(ds.continuations[0], stream[1:6])
-    assert ds.continuation_lens[29] == 0 and np.all(ds.continuations[29] == -1)
+    assert ds.continuations.draft(0, int(stream[1]), 4) == stream[2:6].tolist()
+    assert ds.continuations.draft(27, int(stream[28]), 4) == [int(stream[29])]
+    assert ds.continuations.draft(0, int(stream[1]) + 1, 4) == []  # not the token after it: nothing
     assert Datastore.open(store, "code", INFO, dense=False).dense is None
 
 
@@ -123,9 +123,12 @@ def test_stored_vectors_equal_a_fresh_query_transform(tmp_path):
     doc = [r["token_id"] for r in table if r["doc_id"] == 2]
     hidden = hidden_states(loaded.model, torch.tensor([doc[:6]]))[0, -1]  # the live query at that token
     query = ds.normaliser.apply_torch(hidden)
-    assert np.allclose(query.numpy(), row["embedding"], atol=1e-4)
+    scales = np.asarray(manifest.dense.scales)  # the table holds int8 codes: code / scale is the vector
+    assert np.allclose(query.numpy(), np.asarray(row["embedding"]) / scales, atol=0.5 / scales.min() + 1e-4)
     found = ds.dense.search(query, 1, next_token=row["continuation"][0])
-    assert ds.continuations[found.rows[0]].tolist() == row["continuation"]
+    assert found.rows[0] == row["offset"]  # row ids of a compact version are stream positions
+    expected = [t for t in row["continuation"] if t != 65535]  # uint16, padded with 65535
+    assert [expected[0]] + ds.continuations.draft(int(found.rows[0]), expected[0], 9) == expected
 
 
 def check_methods_match_ar(ds, loaded, prompts, max_new_tokens) -> dict[str, float]:
@@ -161,7 +164,8 @@ def test_pipeline_built_datastore_opens_and_decodes(tmp_path):
     doc.sort(key=lambda r: r["position"])
     ids = [r["token_id"] for r in doc]
     hidden = hidden_states(loaded.model, torch.tensor([ids[:10]]))[0, -1]
-    assert np.allclose(ds.normaliser.apply_torch(hidden).numpy(), doc[9]["embedding"], atol=1e-3)
+    scales = np.asarray(manifest.dense.scales)
+    assert np.allclose(ds.normaliser.apply_torch(hidden).numpy(), np.asarray(doc[9]["embedding"]) / scales, atol=1e-3 + 0.5 / scales.min())
     mats = check_methods_match_ar(ds, loaded, list(answers), 16)
     assert mats["rest"] > 1.0 and mats["dresd"] > 1.0  # the datastore holds the model's own answers
     # another model with the same tokenizer is refused, naming the field

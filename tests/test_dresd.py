@@ -1,5 +1,6 @@
 """DReSD drafter: the live query finds its own datastore position; the next-token filter; caps."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -7,11 +8,12 @@ from hypothesis import strategies as st
 
 from specstore.runtime.api import generate
 from specstore.runtime.datastore import Datastore
+from specstore.runtime.dense import DenseIndex
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.dresd import DresdDrafter
 from specstore.runtime.drafters.registry import make_drafter
 from specstore.runtime.forward import hidden_states
-from tests.datastore_helpers import tiny_datastore
+from tests.datastore_helpers import stream_continuations, tiny_datastore
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +55,11 @@ def test_every_neighbour_agrees_with_the_pending_token(code_datastore):
     tokens = docs[1][:6]
     state = live_state(loaded.model, tokens)
     found = ds.dense.search(ds.normaliser.apply_torch(state.last_hidden), 50, next_token=tokens[-1])
-    assert len(found) == int((ds.continuations[:, 0] == tokens[-1]).sum())
+    conts = stream_continuations(ds)  # indexed by the compact index's row ids, stream positions
+    assert len(found) == int((conts[:, 0] == tokens[-1]).sum())
     tree = drafter.propose(state)
     assert tree.meta["num_neighbours"] == len(found)
-    expected = [ds.continuations[r, 1:10] for r in found.rows]
+    expected = [conts[r, 1:10] for r in found.rows]
     expected = [[int(t) for t in e if t >= 0] for e in expected]
     for path, nodes in zip([e for e in expected if e], tree.paths, strict=True):
         assert [int(tree.tokens[i]) for i in nodes] == path
@@ -72,7 +75,7 @@ def test_edge_cases(code_datastore):
     state.budget = 0
     assert len(drafter.propose(state)) == 0
     assert len(drafter.propose(DecodeState(tokens=docs[0][:6], num_prompt=6, budget=9))) == 0  # no hidden state
-    absent = next(t for t in range(1000) if t not in ds.continuations[:, 0])
+    absent = next(t for t in range(1000) if t not in stream_continuations(ds)[:, 0])
     state = live_state(loaded.model, docs[0][:5] + [absent])
     assert len(drafter.propose(state)) == 0  # no datastore position is followed by the pending token
     last = docs[3][-2:]  # the document's end: the only neighbour may have nothing after it
@@ -82,8 +85,9 @@ def test_edge_cases(code_datastore):
 
 def test_continuations_must_align_with_the_index(code_datastore):
     ds, _, _ = code_datastore
+    index = DenseIndex(np.eye(3, 8, dtype=np.float32), np.arange(3))  # an old-form index: continuation rows beside it
     with pytest.raises(ValueError, match="rows but continuations"):
-        DresdDrafter(ds.normaliser, ds.dense, ds.continuations[:-1])
+        DresdDrafter(ds.normaliser, index, np.zeros((2, 10), dtype=np.int32))
 
 
 def test_dresd_greedy_output_is_identical_to_ar_and_accepts(own_output_store):

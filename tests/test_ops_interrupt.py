@@ -44,7 +44,7 @@ def test_interrupted_rebuild_at_any_stage(tiny_model_dir, tmp_path, monkeypatch)
                 assert "simulated crash" in str(info.value), stage
             assert [(v.version, v.build_id) for v in store.versions("i")] == [(1, first.build_id)], stage
             ds = Datastore.open(store, "i")  # newest complete version: every checksum verifies
-            assert ds.record.version == 1 and len(ds.continuations) == first.num_tokens
+            assert ds.record.version == 1 and len(ds.dense) == first.dense.num_rows
     # leftovers, invisible (a run that failed inside Beam before writing anything leaves none)
     leftovers = {p.name for p in (store.root / "_files" / "i").iterdir()} - {first.build_id}
     assert 2 * (len(STAGES) - 1) <= len(leftovers) <= 2 * len(STAGES)

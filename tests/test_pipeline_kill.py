@@ -54,7 +54,7 @@ def test_killed_build_leaves_previous_version_intact(tiny_model_dir, tmp_path):
     assert [(v.version, v.build_id) for v in store.versions("k")] == catalogue_before  # ... but are not visible
     assert store.resolve("k").version == 1
     ds = Datastore.open(store, "k")  # every file of version 1 still verifies
-    assert ds.manifest.build_id == first.build_id and len(ds.continuations) == first.num_tokens
+    assert ds.manifest.build_id == first.build_id and len(ds.dense) == first.dense.num_rows
 
 
 @pytest.mark.slow

@@ -54,21 +54,23 @@ def add_signals(tree: DraftTree) -> None:
 
 class DresdDrafter:
     """DReSD over one datastore: ``normaliser`` and ``index`` must come from the same version;
-    ``continuations``: int [N, L] rows aligned with the index (``continuations[:, 0]`` is each
-    position's stored next token, the filter key)."""
+    ``continuations``: what the index's row ids index (retrieval.DenseSource: int [N, L] rows of
+    an old-form version, or a compact version's stream continuations)."""
 
     name = "dresd"
     lossless = True
 
-    def __init__(self, normaliser: Normaliser, index: DenseIndex, continuations: np.ndarray, config: DresdConfig | None = None):
-        self.source = DenseSource(normaliser, index, continuations)
+    def __init__(self, normaliser: Normaliser, index: DenseIndex, continuations, config: DresdConfig | None = None,
+                 max_length: int | None = None):
+        self.source = DenseSource(normaliser, index, continuations, max_length)
         self.config = config or DresdConfig()
         self.last_num_neighbours = 0
 
     @classmethod
     def from_datastore(cls, datastore, **options) -> DresdDrafter:
         index = datastore.load_dense()
-        return cls(datastore.normaliser, index, datastore.continuations, DresdConfig(**options))
+        return cls(datastore.normaliser, index, datastore.continuations, DresdConfig(**options),
+                   datastore.manifest.continuation_length - 1)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.last_num_neighbours = 0

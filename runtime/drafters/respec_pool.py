@@ -75,7 +75,11 @@ class CandidatePool:
         self.overlay = overlay
         self.suffix = datastore.suffix if datastore is not None else None
         has_dense = datastore is not None and datastore.dense is not None
-        self.dense = DenseSource(datastore.normaliser, datastore.dense, datastore.continuations) if has_dense else None
+        self.dense = None
+        if has_dense:  # a compact version's continuations come from its stream, as long as its manifest says
+            conts = datastore.continuations
+            length = None if isinstance(conts, np.ndarray) else datastore.manifest.continuation_length - 1
+            self.dense = DenseSource(datastore.normaliser, datastore.dense, conts, length)
 
     def gather(self, state: DecodeState, length: int) -> list[Candidate]:
         """All candidates for this step, interleaved by rank across sources in ``SOURCES`` order
