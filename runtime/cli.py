@@ -217,8 +217,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, metavar="PATH", help="append each served request to this JSONL file (for build --append)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests that may wait besides the one being served; more get 503 (default 16)")
     p.add_argument("--refresh-seconds", type=float, default=5.0, metavar="S", help="check tags for new versions at most this often (default 5)")
-    p.add_argument("--overlay", default="off", choices=["on", "off"],
-                   help="learn while serving: keep what was served in memory and draft from it too (pld, rest, respec; default off)")
+    p.add_argument("--overlay", default="on", choices=["on", "off"],
+                   help="learn while serving: keep what was served in memory and draft from it too (pld, rest, respec; "
+                        "default on: on 200-prompt code and chat streams it was faster or the same, never slower; BENCHMARKS.md)")
     p.add_argument("--overlay-tokens", type=int, default=65536, metavar="N",
                    help="tokens the overlay holds; the oldest requests are evicted beyond it (default 65536)")
     p.add_argument("--overlay-prompts", action="store_true", help="the overlay keeps prompts too, not only responses")

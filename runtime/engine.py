@@ -16,7 +16,7 @@ the end, so a switch never happens inside a request. ``gc`` of a version still i
 its suffix array and stream stay mapped after the files go (Linux keeps an unlinked mapped file)
 and so are a compact version's dense files (an old-form version's rows are read into memory on open; retention.py).
 
-The overlay (``overlay=True`` or a ServedOverlay; off by default): one per engine, fed in
+The overlay (``overlay=True`` or a ServedOverlay; off unless asked, on in ``serve``): one per engine, fed in
 ``_served`` with each finished request (its response; its prompt too when the overlay keeps
 prompts), under the engine's lock, so a request drafts from an overlay that does not change while
 it runs; handed in ``_drafter`` to the methods the registry marks as reading it (pld, rest,
