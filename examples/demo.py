@@ -18,6 +18,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 STDLIB_FILES = ["json/__init__.py", "json/decoder.py", "json/encoder.py", "json/scanner.py", "json/tool.py", "textwrap.py"]
 CODE_PROMPT = "Write a Python function that wraps a long string into lines of at most 40 characters."
@@ -51,6 +53,7 @@ def build_stores(store: Path) -> None:
 def show(store: Path, loaded) -> dict:
     from specstore.runtime.cli import main as cli
     from specstore.runtime.datastore import Datastore
+    from specstore.runtime.retrieval import DenseSource
 
     opened = {}
     for name in ("code", "chat"):
@@ -72,11 +75,16 @@ def show(store: Path, loaded) -> dict:
     probe = next(r for r in table if tok.decode([r["token_id"]]).strip() == "return")
     stream = ds.suffix.stream
     context = tok.decode([int(t) for t in stream[max(probe["offset"] - 8, 0) : probe["offset"] + 1] if t >= 0])
-    print(f"query: the embedding stored after {context!r}")
-    found = ds.dense.search(probe["embedding"], 5)
-    for row, dist in zip(found.rows, found.scores, strict=True):
-        cont = [int(t) for t in ds.continuations[row] if t >= 0]
-        print(f"   neighbour row {int(row):>6}  next tokens {tok.decode(cont)!r}" + f"  score {dist:.3f}")
+    pending = int(stream[probe["offset"] + 1])  # DReSD searches among positions followed by the pending token
+    print(f"query: the embedding stored after {context!r}, among positions followed by {tok.decode([pending])!r}")
+    query = np.asarray(probe["embedding"], dtype=np.float32)
+    if ds.manifest.dense is not None:  # a compact version stores int8 codes: code / scale is the vector
+        query = query / np.asarray(ds.manifest.dense.scales, dtype=np.float32)
+    source = DenseSource.from_datastore(ds)
+    found = ds.dense.search(query, 5, next_token=pending)
+    print(f"   {len(found)} nearest, inner products {[round(float(x), 3) for x in found.scores]}; what follows them:")
+    for draft in source.drafts(found, 12):  # best first; a neighbour at a document's end drafts nothing
+        print(f"   at {draft.offset:>6}: {tok.decode(draft.tokens)!r}")
     return opened
 
 
