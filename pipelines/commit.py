@@ -28,7 +28,6 @@ from specstore.runtime.sharded_suffix import SHARDS_DIR, shard_files
 from specstore.runtime.store import Store, checksum_files, location_sha256
 from specstore.runtime.suffix_array import INDEX_FILES
 from specstore.schemas.manifest import DenseFiles, FileInfo, Lineage, Manifest, SourceInfo
-from specstore.schemas.tables import tokens_schema
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ def _commit_table(plan: BuildPlan, summary: BuildSummary) -> list[str]:
     fragments = [FragmentMetadata.from_json(f) for f in summary.fragments]
     if plan.base is not None:
         fragments = link_parent_fragments(plan.base, plan.table_uri, plan.location) + fragments
-    schema = tokens_schema(plan.pca_dims, plan.continuation_length, plan.vocab_size)
+    schema = plan.table_schema
     dataset = lance.LanceDataset.commit(plan.table_uri, lance.LanceOperation.Overwrite(schema, fragments), storage_options=options)
     if dataset.count_rows() != summary.num_tokens or summary.num_rows != summary.num_tokens:
         raise SpecstoreError(f"internal: {dataset.count_rows()} table rows for {summary.num_tokens} stream tokens")

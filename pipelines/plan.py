@@ -26,6 +26,7 @@ from specstore.runtime.normaliser import NORMALISER_FILE
 from specstore.runtime.storage import Location, is_remote
 from specstore.runtime.store import REJECTED_FILE, Store, VersionRecord, file_sha256, validate_name
 from specstore.schemas.manifest import INDEX_KINDS, ModelInfo
+from specstore.schemas.tables import TABLE_FORMAT, tokens_schema
 
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "summary.json"
@@ -68,6 +69,7 @@ class BuildPlan:
     sa_shard_tokens: int | None = None  # build the suffix array in shards of at most this many tokens
     compact: bool = True  # dense: int8 table and dense/ files (runtime/dense_files.py); False: the old form (an append to an old version)
     ann_threshold: int = ANN_THRESHOLD  # dense: blocks of at least this many rows get an approximate index
+    table_format: int = TABLE_FORMAT  # compact: the tokens table's layout (schemas/tables.py); an append keeps its parent's
     unchanged: VersionRecord | None = None  # the newest version, which this build would reproduce: nothing to run
     storage_options: tuple[tuple[str, str], ...] = ()  # a remote store's options as given (workers add their environment's)
 
@@ -106,6 +108,11 @@ class BuildPlan:
     def vocab_size(self) -> int | None:
         """The compact table's vocabulary (its token type), None for the old form."""
         return self.model_info.vocab_size if self.compact and self.model_info is not None else None
+
+    @property
+    def table_schema(self):
+        """The tokens table's Arrow schema (with Lance's encoding metadata) this build writes."""
+        return tokens_schema(self.pca_dims, self.continuation_length, self.vocab_size, self.table_format)
 
     def source(self, index: int) -> Source:
         """The source numbered ``index`` (an append numbers its sources after the parent's)."""
@@ -166,6 +173,8 @@ def plan_build(
         index = append.kept_index(parent.manifest, index)
         settings |= append.kept_settings(parent.manifest, sa_shard_tokens)
         settings["compact"] = parent.manifest.dense is not None  # one table holds one form: an old parent's append stays old
+        if parent.manifest.dense is not None:  # and one layout: the parent's fragments are linked into the new table
+            settings["table_format"] = parent.manifest.dense.table_format
         if index == "dense":
             normaliser = store.location.child(f"{Store.files_rel(name, parent.build_id)}/{NORMALISER_FILE}")
             normaliser_from = parent.build_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from specstore.schemas.tables import PAD_TOKEN, token_type, tokens_schema
+from specstore.schemas.tables import PAD_TOKEN, TABLE_FORMAT, token_type, tokens_schema
 
 
 def continuations(tokens: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,11 +34,12 @@ def rows_table(
     embeddings: np.ndarray,
     continuation_length: int,
     vocab_size: int | None = None,
+    table_format: int = TABLE_FORMAT,
 ) -> pa.Table:
     """Rows for whole documents: ``docs[i]`` int32 [T_i] starting at stream offset ``starts[i]``;
     ``embeddings`` float32 [sum T_i, D] in the same document-then-position order. With
     ``vocab_size``, the compact form (schemas/tables.py): ``embeddings`` are int8 codes, tokens
-    are in ``token_type(vocab_size)`` with its padding value."""
+    are in ``token_type(vocab_size)`` with its padding value, laid out as ``table_format`` says."""
     dims = embeddings.shape[1]
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
     total = int(lengths.sum())
@@ -54,13 +55,20 @@ def rows_table(
         _, dtype, pad = token_type(vocab_size)
         cont, token_ids = np.where(cont == PAD_TOKEN, pad, cont).astype(dtype), token_ids.astype(dtype)
         vectors = np.asarray(embeddings, dtype=np.int8)
+    schema = tokens_schema(dims, continuation_length, vocab_size, table_format)
+    cont_type = schema.field("continuation").type
+    if pa.types.is_fixed_size_list(cont_type):
+        cont_column = pa.FixedSizeListArray.from_arrays(pa.array(cont.ravel()), type=cont_type)
+    else:  # a list of exactly continuation_length tokens per row
+        row_starts = pa.array(np.arange(0, (total + 1) * continuation_length, continuation_length, dtype=np.int32))
+        cont_column = pa.ListArray.from_arrays(row_starts, pa.array(cont.ravel()), type=cont_type)
     columns = {
         "doc_id": pa.array(np.repeat(np.asarray(doc_ids, dtype=np.int64), lengths)),
         "position": pa.array(positions),
         "offset": pa.array(np.repeat(np.asarray(starts, dtype=np.int64), lengths) + positions),
         "token_id": pa.array(token_ids),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), dims),
-        "continuation": pa.FixedSizeListArray.from_arrays(pa.array(cont.ravel()), continuation_length),
+        "continuation": cont_column,
         "continuation_len": pa.array(cont_len),
     }
-    return pa.table(columns, schema=tokens_schema(dims, continuation_length, vocab_size))
+    return pa.table(columns, schema=schema)

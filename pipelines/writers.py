@@ -32,7 +32,6 @@ from specstore.runtime import dense_files as df
 from specstore.runtime.normaliser import NORMALISER_FILE, Normaliser
 from specstore.runtime.sharded_suffix import shard_dir
 from specstore.runtime.suffix_array import build_suffix_array, join_documents, save_suffix_index
-from specstore.schemas.tables import tokens_schema
 
 
 def fit_and_save(stats: NormStats | None, plan: BuildPlan) -> Normaliser | None:
@@ -126,10 +125,10 @@ def write_fragment(staged: StagedBatch, normaliser: Normaliser, layout: StreamLa
     if plan.compact:
         codes = df.quantise(embeddings, normaliser.code_scales())
         dense_path = _stage_dense_rows(plan, first, docs, starts, codes)
-        table = rows_table(doc_ids, docs, starts, codes, plan.continuation_length, plan.vocab_size)
+        table = rows_table(doc_ids, docs, starts, codes, plan.continuation_length, plan.vocab_size, plan.table_format)
     else:
         table = rows_table(doc_ids, docs, starts, embeddings, plan.continuation_length)
-    fragments = write_fragments(table, plan.table_uri, schema=tokens_schema(plan.pca_dims, plan.continuation_length, plan.vocab_size),
+    fragments = write_fragments(table, plan.table_uri, schema=plan.table_schema,
                                 storage_options=plan.location.options or None,
                                 data_storage_version=TABLE_STORAGE_VERSION if plan.compact else None)
     return WrittenFragment(
@@ -223,7 +222,7 @@ def write_dense(written: list[WrittenFragment], normaliser: Normaliser, layout: 
     for t in reused:
         plan.location.copy(f"{plan.base.files_rel}/{df.ann_file(t)}", version_rel(plan, df.ann_file(t)))
     return {"scales": [float(x) for x in scales], "num_rows": num_rows, "positions_dtype": pos_dtype,
-            "ann_threshold": plan.ann_threshold, "ann_blocks": ann_blocks}
+            "ann_threshold": plan.ann_threshold, "ann_blocks": ann_blocks, "table_format": plan.table_format}
 
 
 def write_rejected(rejections: list[Rejection], plan: BuildPlan) -> int:

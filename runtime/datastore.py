@@ -211,7 +211,8 @@ def _check_schema(ref: str, manifest: Manifest, schema: pa.Schema) -> None:
     """The tokens table's columns against the manifest: the compact form when it has ``dense``
     (int8 embeddings, tokens in the vocabulary's narrowest type), else the old form."""
     vocab = manifest.model.vocab_size if manifest.dense is not None else None
-    expected = tokens_schema(manifest.pca_dims, manifest.continuation_length, vocab)
+    layout = manifest.dense.table_format if manifest.dense is not None else 1
+    expected = tokens_schema(manifest.pca_dims, manifest.continuation_length, vocab, layout)
     for f in expected:
         if schema.get_field_index(f.name) < 0:
             raise SpecstoreError(f"tokens table of {ref} has no column '{f.name}'")

@@ -83,6 +83,7 @@ class DenseFiles(BaseModel):
     ann_blocks: list[int] = Field(default_factory=list, description="next tokens whose block has dense/ann/<token>.faiss")
     ann_nprobe: int = 64  # inverted lists an index search visits
     ann_rerank: int = 8  # candidates per wanted neighbour, reranked exactly on the int8 rows
+    table_format: Literal[1, 2] = Field(1, description="the tokens table's layout (schemas/tables.py TABLE_FORMAT); 1 before it was recorded")
 
 
 class Manifest(BaseModel):

@@ -11,6 +11,15 @@ DEFAULT_PCA_DIMS = 64
 DEFAULT_CONTINUATION_LENGTH = 10
 PAD_TOKEN = -1  # continuation padding and the document separator in the token stream
 
+# The compact tokens table's layout (``manifest.dense.table_format``). 1: ``continuation`` a
+# fixed_size_list, nothing compressed beyond Lance's defaults. 2 (what builds write): ``continuation``
+# a list of exactly ``continuation_length`` tokens per row (same values and padding) whose items Lance
+# compresses with zstd (Lance 2.1 compresses no fixed_size_list), and zstd on ``position``,
+# ``offset`` and ``token_id``. Readers see plain Arrow either way; the metadata only steers Lance's writer.
+TABLE_FORMAT = 2
+ZSTD = {"lance-encoding:compression": "zstd"}
+CONTINUATION_ZSTD = ZSTD | {"lance-encoding:compression-level": "9"}
+
 
 def token_type(vocab_size: int | None) -> tuple[pa.DataType, str, int]:
     """The compact tables' token column type (Arrow, numpy name) and its padding value: uint16
@@ -22,7 +31,7 @@ def token_type(vocab_size: int | None) -> tuple[pa.DataType, str, int]:
 
 
 def tokens_schema(pca_dims: int = DEFAULT_PCA_DIMS, continuation_length: int = DEFAULT_CONTINUATION_LENGTH,
-                  vocab_size: int | None = None) -> pa.Schema:
+                  vocab_size: int | None = None, table_format: int = TABLE_FORMAT) -> pa.Schema:
     """One row per datastore position.
 
     ``offset`` indexes the version's token stream (documents joined with a PAD_TOKEN separator);
@@ -33,18 +42,26 @@ def tokens_schema(pca_dims: int = DEFAULT_PCA_DIMS, continuation_length: int = D
     With ``vocab_size`` (the compact form, a version whose manifest has ``dense``): ``embedding``
     is int8 codes (``manifest.dense.scales`` turn them back into the vector), ``token_id`` and
     ``continuation`` are in ``token_type(vocab_size)``, padded with its padding value. Without it,
-    the old form: float32 embeddings, int32 tokens padded with PAD_TOKEN.
+    the old form: float32 embeddings, int32 tokens padded with PAD_TOKEN. ``table_format`` (compact
+    form only, see TABLE_FORMAT): 2 makes ``continuation`` a list of exactly ``continuation_length``
+    tokens and adds Lance's compression metadata; 1 is the first compact layout.
     """
     compact = vocab_size is not None
     token, _, _ = token_type(vocab_size)
+    if compact and table_format not in (1, 2):
+        raise ValueError(f"unknown tokens table format {table_format}")
+    squeezed = compact and table_format >= 2
+    zstd = ZSTD if squeezed else None
+    continuation = (pa.list_(pa.field("item", token, metadata=CONTINUATION_ZSTD)) if squeezed
+                    else pa.list_(token, continuation_length))
     return pa.schema(
         [
             pa.field("doc_id", pa.int64(), nullable=False),
-            pa.field("position", pa.int32(), nullable=False),
-            pa.field("offset", pa.int64(), nullable=False),
-            pa.field("token_id", token, nullable=False),
+            pa.field("position", pa.int32(), nullable=False, metadata=zstd),
+            pa.field("offset", pa.int64(), nullable=False, metadata=zstd),
+            pa.field("token_id", token, nullable=False, metadata=zstd),
             pa.field("embedding", pa.list_(pa.int8() if compact else pa.float32(), pca_dims), nullable=False),
-            pa.field("continuation", pa.list_(token, continuation_length), nullable=False),
+            pa.field("continuation", continuation, nullable=False),
             pa.field("continuation_len", pa.int8(), nullable=False),
         ]
     )

@@ -41,16 +41,19 @@ def write_datastore(
     tag: str | None = None,
     compact: bool = True,
     ann_threshold: int | None = None,
+    table_format: int | None = None,
 ) -> Manifest:
     """Commit documents ``docs`` (doc ids 0, 1, ...) with hidden states ``hiddens[i]`` [T_i, H]
     as a new version of ``name``, built with ``info``'s model; ``compact`` False writes the old
-    form (float32 table, no dense files), as versions built before the compact form are."""
+    form (float32 table, no dense files), as versions built before the compact form are;
+    ``table_format`` 1 the compact table's first layout (schemas/tables.py TABLE_FORMAT)."""
     build_id = Store.new_build_id()
     plan = BuildPlan(
         name=name, build_id=build_id, store_root=str(store.root), table_uri=store.table_uri(Store.table_name(name, build_id)),
         files_dir=str(store.files_dir(name, build_id)), sources=(), model_path="", model_info=info, pca_dims=pca_dims,
         continuation_length=continuation_length, compact=compact,
         **({} if ann_threshold is None else {"ann_threshold": ann_threshold}),
+        **({} if table_format is None else {"table_format": table_format}),
     )
     doc_ids = list(range(len(docs)))
     tokens = [np.asarray(d, dtype=np.int32) for d in docs]

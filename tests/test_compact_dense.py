@@ -27,7 +27,7 @@ INFO = ModelInfo(model_id="m", revision="r", tokenizer_hash="t", vocab_size=6, h
 K = 10
 
 
-def skewed_store(path, *, ann_threshold: int, compact: bool = True, seed: int = 0):
+def skewed_store(path, *, ann_threshold: int, compact: bool = True, seed: int = 0, table_format: int | None = None):
     """8 documents of 300 tokens over a 6-token vocabulary, token 0 half of them (one large
     block), with random hidden states; returns (store, manifest, docs, hiddens)."""
     rng = np.random.default_rng(seed)
@@ -35,7 +35,7 @@ def skewed_store(path, *, ann_threshold: int, compact: bool = True, seed: int = 
     hiddens = [rng.normal(size=(300, 16)) for _ in docs]
     store = Store(path, create=True)
     manifest = write_datastore(store, "code", docs, hiddens, INFO, pca_dims=8, continuation_length=5, compact=compact,
-                               ann_threshold=ann_threshold)
+                               ann_threshold=ann_threshold, table_format=table_format)
     return store, manifest, docs, hiddens
 
 
@@ -190,18 +190,36 @@ def test_old_form_version_opens_through_its_table_and_decodes_like_ar(tmp_path, 
 
 
 def test_compact_table_types(tmp_path):
+    import lance
     import pyarrow as pa
 
+    from specstore.pipelines.rows import continuations
+    from specstore.schemas.tables import CONTINUATION_ZSTD, TABLE_FORMAT, ZSTD
+
     store, manifest, docs, _ = skewed_store(tmp_path, ann_threshold=500)
+    assert manifest.dense.table_format == TABLE_FORMAT == 2
     table = store.open_table(manifest.tokens_table).to_arrow().sort_by("offset")
     assert table.schema.field("embedding").type == pa.list_(pa.int8(), 8)
-    assert table.schema.field("continuation").type == pa.list_(pa.uint16(), 5)
+    assert table.schema.field("continuation").type == pa.list_(pa.uint16())  # exactly 5 per row, compressed by Lance
     assert table.schema.field("token_id").type == pa.uint16()
+    # plain Lance sees the encoding metadata the writer honoured
+    schema = lance.dataset(str(store.table_uri(manifest.tokens_table))).schema
+    for name in ("position", "offset", "token_id"):
+        assert schema.field(name).metadata == {k.encode(): v.encode() for k, v in ZSTD.items()}, name
+    assert schema.field("continuation").type.value_field.metadata == {k.encode(): v.encode() for k, v in CONTINUATION_ZSTD.items()}
+    assert pa.compute.all(pa.compute.equal(pa.compute.list_value_length(table.column("continuation")), 5)).as_py()
     cont = np.asarray(table.column("continuation").to_pylist())
     lens = np.asarray(table.column("continuation_len").to_pylist())
     last = len(docs[0]) - 1  # the first document's last token: nothing follows, all padding
     assert lens[last] == 0 and np.all(cont[last] == 65535)
     assert cont[0].tolist() == docs[0][1:6] and lens[0] == 5
+    # every row reads back exactly: its continuation, padded with 65535, and the other columns
+    expected = np.concatenate([continuations(np.asarray(d), 5)[0] for d in docs])
+    np.testing.assert_array_equal(cont, np.where(expected < 0, 65535, expected))
+    assert table.column("token_id").to_pylist() == [t for d in docs for t in d]
+    assert table.column("position").to_pylist() == [p for d in docs for p in range(len(d))]
+    starts = np.cumsum([0] + [len(d) + 1 for d in docs[:-1]])  # each document, then a separator
+    assert table.column("offset").to_pylist() == [int(s) + p for s, d in zip(starts, docs, strict=True) for p in range(len(d))]
     # the table's codes are the dense files' rows, in stream order
     codes = np.load(store.files_dir("code", manifest.build_id) / df.VECTORS_FILE)
     positions = np.load(store.files_dir("code", manifest.build_id) / df.POSITIONS_FILE)
@@ -209,6 +227,62 @@ def test_compact_table_types(tmp_path):
     offsets = np.asarray(table.column("offset").to_pylist())
     row_of = {int(o): i for i, o in enumerate(offsets)}
     assert np.array_equal(codes, emb[[row_of[int(p)] for p in positions]])
+
+
+def table_bytes(store, manifest) -> int:
+    folder = store.root / f"{manifest.tokens_table}.lance"
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_the_compressed_table_layout_holds_the_same_rows_in_fewer_bytes(tmp_path):
+    first, m1, _, _ = skewed_store(tmp_path / "1", ann_threshold=500, table_format=1)
+    second, m2, _, _ = skewed_store(tmp_path / "2", ann_threshold=500)
+    assert (m1.dense.table_format, m2.dense.table_format) == (1, 2)
+    a = first.open_table(m1.tokens_table).to_arrow().sort_by("offset")
+    b = second.open_table(m2.tokens_table).to_arrow().sort_by("offset")
+    assert str(a.schema.field("continuation").type) == "fixed_size_list<item: uint16>[5]"
+    for name in a.column_names:
+        assert a.column(name).to_pylist() == b.column(name).to_pylist(), name
+    # 5 uint16 continuation tokens are 10 B a row uncompressed (layout 1); zstd takes most of it
+    saved = (table_bytes(first, m1) - table_bytes(second, m2)) / m1.num_tokens
+    assert saved > 6, saved
+
+
+def test_a_compact_version_in_the_first_table_layout_opens_and_decodes_as_before(tmp_path, own_model):
+    import pyarrow as pa
+
+    from specstore.schemas.manifest import DenseFiles
+
+    loaded, ar, _, _ = own_model
+    store, manifest = own_store(tmp_path, own_model, ann_threshold=3, table_format=1)
+    assert manifest.dense.table_format == 1
+    recorded = manifest.dense.model_dump()
+    del recorded["table_format"]  # a manifest written before the layout was recorded
+    assert DenseFiles.model_validate(recorded).table_format == 1
+    assert isinstance(store.open_table(manifest.tokens_table).schema.field("continuation").type, pa.FixedSizeListType)
+    Datastore.open(store, "own", loaded.info, verify=True)
+    new_store, _ = own_store(tmp_path / "new", own_model, ann_threshold=3)
+    assert decodes_like_ar(store, loaded, ar) == decodes_like_ar(new_store, loaded, ar)  # the table is not on the search path
+
+
+def test_an_append_keeps_its_compact_parents_table_layout(tiny_model_dir, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from specstore.pipelines import build as build_module
+    from specstore.pipelines.build import build
+    from tests.helpers import BUILD_OPTIONS, CORPUS_DIR
+
+    plan_build = build_module.plan_build
+    with monkeypatch.context() as patch:  # the parent as compact builds before the second layout wrote it
+        patch.setattr(build_module, "plan_build", lambda *a, **k: replace(plan_build(*a, **k), table_format=1))
+        parent = build(tmp_path / "s", "a", [str(CORPUS_DIR / "notes.txt")], model=tiny_model_dir, **BUILD_OPTIONS).manifest
+    assert parent.dense.table_format == 1
+    appended = build(tmp_path / "s", "a", [str(CORPUS_DIR / "notes.txt"), str(CORPUS_DIR / "chat.jsonl")], model=tiny_model_dir,
+                     mode="append", **BUILD_OPTIONS).manifest
+    assert appended.dense.table_format == 1 and appended.num_tokens > parent.num_tokens
+    ds = Datastore.open(tmp_path / "s", "a@2", verify=True)  # one table, one schema: the parent's rows and the new ones
+    table = ds.store.open_table(appended.tokens_table).to_arrow()
+    assert table.num_rows == appended.num_tokens and str(table.schema.field("continuation").type).startswith("fixed_size_list")
 
 
 def test_append_dense_files_equal_a_fresh_build_and_reuse_untouched_indexes(tiny_model_dir, tmp_path):
