@@ -264,8 +264,9 @@ def _http(url: str, path: str, body: dict | None = None) -> dict:
 
 
 def test_serve_overlay_on_reaches_the_engine(code, monkeypatch, capsys):
-    """``specstore serve --overlay on``: the command's engine holds an overlay of the asked size
-    (shown by /health), a served request lands in it, and the response says what it drafted."""
+    """``specstore serve --overlay on`` (the default): the command's engine holds an overlay of the
+    asked size (shown by /health), a served request lands in it, and the response says what it
+    drafted; ``--overlay off`` has none."""
     from specstore.runtime import serve
     from specstore.runtime.cli import main
 
@@ -297,7 +298,11 @@ def test_serve_overlay_on_reaches_the_engine(code, monkeypatch, capsys):
     assert vendor["overlay"]["accepted"] > 0 and seen["reply"]["choices"][0]["message"]["content"] == (
         loaded.tokenizer.decode(outputs[PROMPTS[0]], skip_special_tokens=True))
     seen.clear()
-    assert main(argv) == 0  # off by default
+    assert main(argv) == 0  # on by default, at the default size, responses only
+    assert seen["before"] == {"tokens": 0, "max_tokens": 65536, "requests": 0, "added": 0, "evicted": 0, "prompts": False}
+    assert seen["reply"]["specstore"]["overlay"] is not None
+    seen.clear()
+    assert main([*argv, "--overlay", "off"]) == 0
     assert seen["before"] is None and seen["reply"]["specstore"]["overlay"] is None
-    assert main([*argv, "--overlay-tokens", "10"]) == 2
+    assert main([*argv, "--overlay", "off", "--overlay-tokens", "10"]) == 2
     assert "specstore: error: --overlay-tokens and --overlay-prompts need --overlay on" in capsys.readouterr().err
