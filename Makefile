@@ -66,4 +66,4 @@ bench: install
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf demo_store bench_store .pytest_cache
+	rm -rf demo_store demo_corpus bench_store .pytest_cache
