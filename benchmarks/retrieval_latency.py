@@ -169,8 +169,7 @@ def bench_version(store: str, ref: str, held_out_dirs: list[str], tokenizer, ste
     per_token(opened, "open")
     if prefetch:  # what a server does after its open (Datastore.open(prefetch=True)); joined here to time it
         t = time.perf_counter()
-        threads = ds.suffix.prefetch()
-        for thread in threads if isinstance(threads, list) else [threads]:
+        for thread in ds.suffix.prefetch():
             thread.join()
         print(f"  prefetch (the index's pages mapped by a background thread): {time.perf_counter() - t:.2f} s")
         per_token(memory_kib(), "prefetch")

@@ -190,32 +190,11 @@ def read_chunk(chunk: Chunk, limit: int | None = None) -> Iterator[RawRecord]:
     source = chunk.source
     if chunk.end is None:
         yield from read_records(source, limit)
-        return
-    if source.format == "code-dir":
-        path = Path(source.path)
-        for index, f in enumerate(code_files(path)[chunk.start : chunk.end], start=chunk.start):
-            if limit is not None and index >= limit:
-                return
-            yield _text_record(source, index, f.relative_to(path).as_posix(), f)
-        return
-    count = chunk.first_record
-    try:
-        with open(source.path, "rb") as handle:
-            handle.seek(chunk.start)
-            position, line_no = chunk.start, chunk.first_line
-            while position < chunk.end:
-                line = handle.readline()
-                if not line:
-                    break
-                position += len(line)
-                if line.strip():
-                    if limit is not None and count >= limit:
-                        return
-                    yield _json_record(source, count, f"line {line_no}", line)
-                    count += 1
-                line_no += 1
-    except OSError as exc:
-        yield RawRecord(source.index, count, "end of file", error=f"unreadable: {exc}")
+    elif source.format == "code-dir":
+        yield from _code_records(source, chunk.start, chunk.end, limit)
+    else:
+        yield from _json_lines(source, lambda: open(source.path, "rb"), limit, start=chunk.start,
+                               size=chunk.end - chunk.start, first_record=chunk.first_record, first_line=chunk.first_line)
 
 
 def read_records(source: Source, limit: int | None = None) -> Iterator[RawRecord]:
@@ -225,25 +204,42 @@ def read_records(source: Source, limit: int | None = None) -> Iterator[RawRecord
     file is one record. Code directory: one record per source file.
     """
     path = Path(source.path)
-    count = 0
     if source.format == "code-dir":
-        for f in code_files(path):
-            if limit is not None and count >= limit:
-                return
-            yield _text_record(source, count, f.relative_to(path).as_posix(), f)
-            count += 1
-        return
-    if source.format == "text":
+        yield from _code_records(source, 0, None, limit)
+    elif source.format == "text":
         if limit is None or limit > 0:
             yield _text_record(source, 0, path.name, path)
-        return
+    else:
+        yield from _json_lines(source, lambda: open_binary(path), limit)
+
+
+def _code_records(source: Source, start: int, end: int | None, limit: int | None) -> Iterator[RawRecord]:
+    """Files ``start`` to ``end`` of a code directory, one record each, numbered from ``start``."""
+    path = Path(source.path)
+    for index, f in enumerate(code_files(path)[start:end], start=start):
+        if limit is not None and index >= limit:
+            return
+        yield _text_record(source, index, f.relative_to(path).as_posix(), f)
+
+
+def _json_lines(source: Source, opener, limit: int | None, *, start: int = 0, size: int | None = None,
+                first_record: int = 0, first_line: int = 1) -> Iterator[RawRecord]:
+    """One record per non-blank line of ``opener()``, from byte ``start`` for ``size`` bytes
+    (None: to the end), numbered from ``first_record`` (records) and ``first_line`` (origins)."""
+    count = first_record
     try:
-        with open_binary(path) as handle:
-            for line_no, line in enumerate(handle, start=1):
-                if limit is not None and count >= limit:
+        with opener() as handle:
+            if start:
+                handle.seek(start)
+            read = 0
+            for line_no, line in enumerate(handle, start=first_line):
+                if size is not None and read >= size:
                     return
+                read += len(line)
                 if not line.strip():
                     continue
+                if limit is not None and count >= limit:
+                    return
                 yield _json_record(source, count, f"line {line_no}", line)
                 count += 1
     except (OSError, EOFError) as exc:  # e.g. a truncated gzip stream: keep what was read

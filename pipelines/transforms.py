@@ -92,10 +92,13 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
     if plan.max_docs is not None:
         per_source = records | "CountForLimit" >> beam.Map(lambda r: (r.source_index, 1)) | beam.CombinePerKey(sum)
         records = records | "FirstN" >> beam.Filter(_first_n, counts=AsDict(per_source), n=plan.max_docs)
-    counted = all(c.num_records is not None for c in chunks)
-    record_total = None if not (plan.progress and plan.in_process) else (
-        min(sum(c.num_records for c in chunks), plan.max_docs if plan.max_docs is not None else 1 << 62) if counted
-        else _total(plan, records, "Records", lambda r: 1))
+    if all(c.num_records is not None for c in chunks):  # counted by the plan: no side input over the records
+        counted = sum(c.num_records for c in chunks)
+        record_total = min(counted, plan.max_docs) if plan.max_docs is not None else counted
+    else:
+        record_total = _total(plan, records, "Records", lambda r: 1)
+    if not (plan.progress and plan.in_process):
+        record_total = None
     prepared = (
         records
         | "BatchRecords" >> beam.BatchElements(min_batch_size=PREPARE_BATCH, max_batch_size=PREPARE_BATCH)

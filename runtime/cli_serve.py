@@ -66,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from specstore.runtime.cost import load_cost_model
 
         cost = load_cost_model(loaded.model, loaded.info, refresh=args.refresh_cost, quiet=False)
-    engine = Engine(loaded, store, refs, method=args.method, drafter_options=options,
+    engine = Engine(loaded, store, refs, method=args.method, drafter_options=options, prefetch=True,
                     refresh_seconds=args.refresh_seconds, log=args.log, overlay=overlay, cost=cost, cost_aware=args.cost_aware)
     defaults = Defaults(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     app = create_app(engine, max_queue=args.max_queue, defaults=defaults, idle_refresh_seconds=args.refresh_seconds)

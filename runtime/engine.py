@@ -104,13 +104,16 @@ class Engine:
     defaults, or one to use; None or False: off. ``cost``: a cost.CostModel: the methods that
     ``cost_aware`` (auto, on, off: registry.uses_cost) selects size their trees by it
     (drafters/cost_aware.py), one calibration per method kept across requests; None: fixed caps.
+    ``prefetch``: map each opened version's suffix-index pages in a background thread (a
+    long-lived server, as ``serve``: its first searches then pay no page faults; a one-shot
+    request would only compete with it).
     """
 
     def __init__(self, loaded, store: Store | str | None = None, datastores: str | Sequence[str] | None = (), *,
                  method: str = "rest", drafter_options: Mapping[str, Mapping] | None = None, dense: bool | None = None,
                  verify: bool = False, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
                  overlay: bool | ServedOverlay | None = False, clock: Callable[[], float] = time.monotonic, cost=None,
-                 cost_aware: str = "on"):
+                 cost_aware: str = "on", prefetch: bool = False):
         self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, getattr(loaded, "info", None)
         self.cost, self.cost_aware, self._calibrators = cost, cost_aware, {}
         self.device = next(self.model.parameters()).device
@@ -123,7 +126,7 @@ class Engine:
         self.method = method
         self.drafter_options = {m: dict(o) for m, o in (drafter_options or {}).items()}
         self.dense = registry.needs_dense([method]) if dense is None else dense
-        self.verify, self.refresh_seconds, self._clock = verify, refresh_seconds, clock
+        self.verify, self.refresh_seconds, self._clock, self.prefetch = verify, refresh_seconds, clock, prefetch
         self.log = ServedLog(log) if isinstance(log, str | os.PathLike) else log
         if overlay is not None and not isinstance(overlay, bool | ServedOverlay):
             raise SpecstoreError(f"overlay must be True, False or a ServedOverlay, got {overlay!r}")
@@ -166,7 +169,7 @@ class Engine:
 
     def _open(self, ref: str) -> Datastore:
         return Datastore.open(self.store, ref, self.info, verify=self.verify, dense=self.dense, device=self.device,
-                              prefetch=True)  # a long-lived engine: map the index's pages in the background
+                              prefetch=self.prefetch)
 
     def refresh(self) -> dict[str, str]:
         """Re-resolve every tag and bare name now; open what moved and swap it in for the next

@@ -66,7 +66,7 @@ class ShardedSuffixIndex:
 
     def prefetch(self) -> list:
         """``SuffixIndex.prefetch`` for every shard (one thread each)."""
-        return [s.prefetch() for s in self.shards]
+        return [thread for s in self.shards for thread in s.prefetch()]
 
     def find(self, pattern: Sequence[int]) -> ShardedMatch:
         parts = [s.find(pattern) for s in self.shards]

@@ -168,7 +168,7 @@ def test_prefetch_maps_the_pages_in_the_background_and_changes_no_result(tmp_pat
     save_suffix_index(tmp_path, stream, build_suffix_array(stream))
     index = SuffixIndex.load(tmp_path)
     before = [index.find(stream[i : i + 4].tolist()) for i in range(0, 3000, 97)]
-    thread = index.prefetch()
+    [thread] = index.prefetch()
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert [index.find(stream[i : i + 4].tolist()) for i in range(0, 3000, 97)] == before
