@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from specstore.pipelines.writers import ANN_RERANK
 from specstore.runtime import dense_files as df
 from specstore.runtime.api import generate
 from specstore.runtime.cli import main
@@ -61,6 +62,7 @@ def exact(vectors, positions, query, k):
 def test_search_meets_recall_and_is_exact_below_the_threshold(tmp_path):
     store, manifest, docs, hiddens = skewed_store(tmp_path, ann_threshold=500)
     assert manifest.dense.ann_blocks == [0]  # token 0's block (~1200 rows) is the only one above 500
+    assert manifest.dense.ann_rerank == ANN_RERANK  # recorded, so that a later default does not change this version
     ds = Datastore.open(store, "code", INFO)
     blocks = rows_by_block(ds, docs, hiddens)
     assert len(ds.dense) == sum(len(p) for p, _ in blocks.values()) == manifest.dense.num_rows
