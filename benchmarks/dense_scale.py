@@ -1,0 +1,168 @@
+"""DReSD at scale on a built dense version: open time, resident memory and propose latency.
+
+Two steps, so that the measuring process never loads the model (its weights would swamp the
+memory figures):
+
+    # 1. real queries: the target's hidden states over held-out Python sources (default: this
+    #    project's runtime/ and pipelines/, which no corpus built from a virtualenv contains)
+    python benchmarks/dense_scale.py queries --out dense_queries.npz --count 2000
+    # 2. the version, in a process of its own
+    python benchmarks/dense_scale.py measure --store /work/scale/store --ref code-10m-dense@bench \\
+        --queries dense_queries.npz [--out result.json]
+
+``measure`` reports: ``Datastore.open`` and the drafter's setup time; the process' anonymous
+resident memory (beyond the page cache of mapped files) per token after the open, after the
+first proposes, and after all ``--count`` proposes (by then every approximate index the queries
+reach is read); the version's bytes per token on disk (table, files, indexes); and dresd's
+``propose`` latency (the whole drafter step: normalise the query, filtered search, continuations
+from the stream, the trie) per query, p50/p90/p99 over all of them and over the second half
+(indexes loaded). Queries are real contexts: position p's hidden state with the token after it
+as the pending token, so the next-token filter sees the blocks decoding meets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def memory_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1])
+    return out
+
+
+def make_queries(args) -> None:
+    import torch
+
+    from specstore.runtime.models import load_model
+
+    torch.manual_seed(0)
+    loaded = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    files = [f for d in args.held_out for f in sorted(Path(d).rglob("*.py"))]
+    rng = np.random.default_rng(0)
+    hidden, pending, contexts = [], [], []
+    per_file = max(1, args.count // max(len(files), 1) + 1)
+    for f in files:
+        ids = tokenizer(f.read_text(errors="ignore"), add_special_tokens=False)["input_ids"][: args.window]
+        if len(ids) < 48:
+            continue
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        states = out.hidden_states[-1][0].float().numpy()
+        for p in rng.choice(np.arange(32, len(ids) - 1), size=min(per_file, len(ids) - 33), replace=False):
+            hidden.append(states[p])
+            pending.append(ids[p + 1])
+            contexts.append(ids[max(0, p + 2 - 64) : p + 2])
+    order = rng.permutation(len(hidden))[: args.count]
+    width = max(len(c) for c in contexts)
+    ctx = np.full((len(order), width), -1, dtype=np.int64)
+    for row, i in enumerate(order):
+        ctx[row, : len(contexts[i])] = contexts[i]
+    np.savez(args.out, hidden=np.asarray(hidden, np.float32)[order], pending=np.asarray(pending)[order], contexts=ctx,
+             model=str(loaded.info.model_id), dtype=args.dtype)
+    print(f"wrote {len(order)} queries from {len(files)} files to {args.out}")
+
+
+def disk_bytes(store, manifest) -> dict:
+    files = sum(info.num_bytes for info in manifest.files.values())
+    table = 0
+    if manifest.tokens_table:
+        folder = Path(store.table_uri(manifest.tokens_table))
+        table = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    ann = sum(info.num_bytes for rel, info in manifest.files.items() if "/ann/" in rel)
+    n = manifest.num_tokens
+    return {"table_bytes": table, "file_bytes": files, "ann_bytes": ann,
+            "bytes_per_token": round((table + files) / n, 2), "ann_bytes_per_token": round(ann / n, 2)}
+
+
+def lat(samples: list[float]) -> dict:
+    ms = np.asarray(samples) * 1e3
+    return {f"p{q}_ms": round(float(np.percentile(ms, q)), 3) for q in (50, 90, 99)} | {"n": len(samples)}
+
+
+def measure(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from specstore.runtime.datastore import Datastore
+    from specstore.runtime.drafters.base import DecodeState
+    from specstore.runtime.drafters.dresd import DresdDrafter
+    from specstore.runtime.store import Store
+
+    data = np.load(args.queries)
+    hidden, contexts = data["hidden"], data["contexts"]
+    store = Store(args.store)
+    before = memory_kib()
+    t = time.perf_counter()
+    ds = Datastore.open(store, args.ref)
+    open_s = time.perf_counter() - t
+    opened = memory_kib()
+    t = time.perf_counter()
+    drafter = DresdDrafter.from_datastore(ds)
+    setup_s = time.perf_counter() - t
+    ready = memory_kib()
+    n = ds.manifest.num_tokens
+
+    def anon(now):
+        return round((now["RssAnon"] - before["RssAnon"]) * 1024 / n, 2)
+
+    dense = ds.manifest.dense
+    report = {"ref": ds.ref, "tokens": n, "rows": dense.num_rows if dense else None,
+              "ann_blocks": len(dense.ann_blocks) if dense else None, "ann_threshold": dense.ann_threshold if dense else None,
+              "open_s": round(open_s, 3), "drafter_setup_s": round(setup_s, 3),
+              "anon_bytes_per_token": {"open": anon(opened), "drafter": anon(ready)}, **disk_bytes(store, ds.manifest)}
+    times = []
+    for i in range(len(hidden)):
+        ctx = [int(x) for x in contexts[i] if x >= 0]
+        state = DecodeState(tokens=ctx, num_prompt=len(ctx), last_hidden=torch.from_numpy(hidden[i]), budget=32)
+        t = time.perf_counter()
+        drafter.propose(state)
+        times.append(time.perf_counter() - t)
+        if i == 99:
+            report["anon_bytes_per_token"]["first_100"] = anon(memory_kib())
+    report["anon_bytes_per_token"]["all"] = anon(memory_kib())
+    report["file_backed_mib"] = round((memory_kib()["RssFile"] - before["RssFile"]) / 1024, 1)
+    report["propose"] = lat(times)
+    report["propose_second_half"] = lat(times[len(times) // 2 :])
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("queries", help="compute real queries with the model")
+    q.add_argument("--out", required=True)
+    q.add_argument("--count", type=int, default=2000)
+    q.add_argument("--held-out", nargs="+", default=[str(ROOT / "runtime"), str(ROOT / "pipelines")])
+    q.add_argument("--window", type=int, default=1024, help="tokens of each file run through the model")
+    q.add_argument("--model", default=None)
+    q.add_argument("--dtype", default="bfloat16", help="the dtype the store was built with")
+    m = sub.add_parser("measure", help="open a version and time dresd's propose")
+    m.add_argument("--store", required=True)
+    m.add_argument("--ref", required=True)
+    m.add_argument("--queries", required=True)
+    m.add_argument("--threads", type=int, default=1)
+    m.add_argument("--out")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    make_queries(args) if args.command == "queries" else measure(args)
+
+
+if __name__ == "__main__":
+    main()
