@@ -27,7 +27,7 @@ def build(
     store: Store | str | Path, name: str, corpus: list[str], *, fmt: str = "auto", model: str | None = None,
     regenerate: bool = False, max_docs: int | None = None, max_doc_tokens: int = 2048, max_new_tokens: int = 256,
     pca_dims: int = 64, continuation_length: int = 10, batch_tokens: int = 4096, dtype: str = "float32",
-    tag: str | None = None, runner: str = "DirectRunner", beam_args: list[str] | None = None, progress: bool = True,
+    tag: str | None = None, runner: str = "DirectRunner", beam_args: list[str] | None = None, progress: bool | str = True,
     test_pipeline=None, mode: str = "full", force: bool = False, normaliser: str | Path | None = None,
     sa_shard_tokens: int | None = None, index: str | None = None, ann_threshold: int | None = None,
 ) -> BuildResult:
@@ -43,7 +43,9 @@ def build(
     the tokenizer alone: rest, pld and respec's context and suffix sources); None: dense, or for
     ``append``/``refit`` the parent's kind (an append never mixes kinds). ``ann_threshold``: a
     dense version's next-token blocks of at least this many rows get an approximate index
-    (None: runtime/dense_files.py ``ANN_THRESHOLD``, or an append's parent's).
+    (None: runtime/dense_files.py ``ANN_THRESHOLD``, or an append's parent's). ``progress``:
+    True for progress bars, ``"lines"`` for a plain line per stage every minute (a log file),
+    False for none.
     """
     started = time.monotonic()
     dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
@@ -91,11 +93,16 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
     except OSError as exc:
         raise SpecstoreError(f"store {args.store} is not usable: {exc}") from None
     mode = "append" if getattr(args, "append", False) else "refit" if getattr(args, "refit", False) else "full"
+    progress = True if sys.stderr.isatty() else "lines"  # a log file (a scheduled rebuild) gets plain lines
+    if progress == "lines":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its weight-loading bars would be carriage-returned noise in a log
     result = build(
         store, args.name, args.corpus, fmt=args.format, model=args.model, regenerate=args.regenerate,
         max_docs=args.max_docs, max_doc_tokens=args.max_doc_tokens, max_new_tokens=args.max_new_tokens,
         pca_dims=args.pca_dims, continuation_length=args.continuation_length, batch_tokens=args.batch_tokens,
-        dtype=args.dtype, tag=args.tag, runner=args.runner, beam_args=extra_beam_args, progress=sys.stderr.isatty(),
+        dtype=args.dtype, tag=args.tag, runner=args.runner, beam_args=extra_beam_args, progress=progress,
         mode=mode, force=getattr(args, "force", False), sa_shard_tokens=getattr(args, "sa_shard_tokens", None),
         index=getattr(args, "index", None), ann_threshold=getattr(args, "ann_threshold", None),
     )

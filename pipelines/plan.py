@@ -61,7 +61,7 @@ class BuildPlan:
     generate_batch: int = 16
     fit_rows_per_batch: int | None = 1024
     spill_dtype: str = "float32"
-    progress: bool = True
+    progress: bool | str = True  # True: tqdm bars; "lines": a plain line per stage now and then (workers.LineProgress); False: none
     in_process: bool = True  # every step runs in the driver's process: bars know their totals, steps reuse its model
     base: BaseVersion | None = None  # append: the parent version whose rows and stream come first
     normaliser_path: str | None = None  # a normaliser to reuse instead of fitting one
@@ -142,7 +142,7 @@ class BuildPlan:
 
 def plan_build(
     store: Store, name: str, corpus: list[str], *, mode: str = "full", fmt: str = "auto", model: str | None = None,
-    force: bool = False, normaliser: str | Path | None = None, in_process: bool = True, progress: bool = True,
+    force: bool = False, normaliser: str | Path | None = None, in_process: bool = True, progress: bool | str = True,
     max_docs: int | None = None, sa_shard_tokens: int | None = None, index: str | None = None, **settings,
 ) -> BuildPlan:
     """Decide one build of datastore ``name`` (see module doc); nothing is written.

@@ -10,7 +10,9 @@ process' progress bars (tqdm, one per stage, with the stage's total when it is k
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,6 +24,44 @@ _SHARED_TOKENIZER = shared.Shared()
 _SHARED_MODEL = shared.Shared()
 _BARS: dict[str, object] = {}
 _BARS_LOCK = threading.Lock()
+LINE_INTERVAL_S = 60.0  # progress="lines": at most one line per stage this often (and one at its end)
+
+
+class LineProgress:
+    """A progress bar's stand-in for a log file (a scheduled rebuild's stderr is no terminal): one
+    plain line per stage at most every ``LINE_INTERVAL_S`` and one when it ends, with the amount
+    done, the share of the total, the rate and the time left when the total is known."""
+
+    def __init__(self, desc: str, total: int | None, unit: str, stream=None):
+        self.desc, self.total, self.unit, self.n = desc, total, unit, 0
+        self.stream = stream
+        self.start = self.last = time.monotonic()
+        self.closed = False
+
+    def update(self, amount: int) -> None:
+        self.n += amount
+        now = time.monotonic()
+        if now - self.last >= LINE_INTERVAL_S:
+            self.last = now
+            self._line(now)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._line(time.monotonic())
+
+    def _line(self, now: float) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.n / elapsed
+        text = f"{self.desc}: {self.n:,}"
+        if self.total:
+            text += f"/{self.total:,} {self.unit} ({100 * self.n / self.total:.0f}%)"
+        else:
+            text += f" {self.unit}"
+        text += f", {rate:,.0f} {self.unit}/s, {elapsed / 60:.1f} min"
+        if self.total and rate > 0 and self.n < self.total:
+            text += f", about {(self.total - self.n) / rate / 60:.0f} min left"
+        print(text, file=self.stream or sys.stderr, flush=True)
 
 
 class _Holder:
@@ -89,9 +129,11 @@ def release_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def advance(desc: str, amount: int, enabled: bool, total: int | None = None, unit: str = "tok") -> None:
-    """Advance this process' progress bar ``desc`` (tqdm, created on first use) by ``amount``;
-    ``total`` (the stage's whole amount, from a side input) gives the bar its end and an ETA."""
+def advance(desc: str, amount: int, enabled: bool | str, total: int | None = None, unit: str = "tok") -> None:
+    """Advance this process' progress bar ``desc`` (created on first use) by ``amount``;
+    ``total`` (the stage's whole amount, from a side input) gives the bar its end and an ETA.
+    ``enabled``: True for tqdm bars (a terminal), ``"lines"`` for ``LineProgress`` (a log
+    file), False for none."""
     if not enabled:
         return
     from tqdm import tqdm
@@ -99,7 +141,8 @@ def advance(desc: str, amount: int, enabled: bool, total: int | None = None, uni
     with _BARS_LOCK:
         bar = _BARS.get(desc)
         if bar is None:
-            bar = _BARS[desc] = tqdm(desc=desc, total=total, unit=unit, unit_scale=True, dynamic_ncols=True)
+            bar = _BARS[desc] = (LineProgress(desc, total, unit) if enabled == "lines" else
+                                 tqdm(desc=desc, total=total, unit=unit, unit_scale=True, dynamic_ncols=True))
         bar.update(amount)
         if bar.total is not None and bar.n >= bar.total:
             bar.close()  # the stage is done: its rate and time stay as they were at its end

@@ -70,3 +70,41 @@ def test_in_process_build_loads_the_model_once(tmp_path, monkeypatch):
     # the fingerprint is the one a separate load gives: an unchanged rebuild is recognised
     assert first.manifest.model == real(model_dir, dtype="float32").info
     assert build(tmp_path / "s", "once", [str(corpus)], model=model_dir, pca_dims=4, progress=False).unchanged
+
+
+def test_lines_for_a_log_file(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Where stderr is no terminal (the CLI passes progress="lines"), each stage writes plain
+    lines instead of bars (no carriage returns): along the way and at its end, with the total."""
+    from specstore.pipelines import workers
+
+    monkeypatch.setattr(workers, "LINE_INTERVAL_S", 0.0)  # a line on every update, as if each took a minute
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"instruction": f"Say {i}.", "output": "word " * (i + 3)}) + "\n" for i in range(6)))
+    m = build(tmp_path / "s", "lines", [str(corpus)], model=tiny_model_dir, pca_dims=4, batch_tokens=64,
+              progress="lines").manifest
+    err = capsys.readouterr().err
+    lines = [line for line in err.split("\n") if line.startswith(("prepare:", "embed:", "write:"))]
+    assert lines and not any("\r" in line for line in lines)
+    assert f"embed: {m.num_tokens:,}/{m.num_tokens:,} tok (100%)" in "\n".join(lines)
+    assert f"write: {m.num_tokens:,}/{m.num_tokens:,} tok (100%)" in "\n".join(lines)
+    assert sum(line.startswith("embed:") for line in lines) >= 2  # progress along the way, not only the end
+    assert any("min left" in line for line in lines if line.startswith("embed:"))
+
+
+def test_line_progress_reports_rate_and_time_left(monkeypatch):
+    import io
+
+    from specstore.pipelines import workers
+
+    clock = iter([0.0, 30.0, 61.0, 90.0, 125.0])
+    monkeypatch.setattr(workers.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    bar = workers.LineProgress("embed", 1000, "tok", stream=out)  # starts at 0 s
+    bar.update(100)  # 30 s: under the interval, no line
+    bar.update(400)  # 61 s: a line
+    bar.update(100)  # 90 s: 29 s after the last line, none
+    bar.close()  # 125 s: the end line
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("embed: 500/1,000 tok (50%), 8 tok/s, 1.0 min, about 1 min left")
+    assert lines[1].startswith("embed: 600/1,000 tok (60%)")
