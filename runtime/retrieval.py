@@ -44,6 +44,7 @@ class Continuation:
 
     offset: int
     tokens: list[int]
+    match: int = 0  # context: the length of the n-gram it continues (0 where not recorded)
 
 
 # --- context -------------------------------------------------------------------------------
@@ -71,7 +72,7 @@ def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: 
     repetitive stream the most recent occurrence ends just before the end of the context and
     would draft one token, where an earlier one drafts the whole run. ``full_first=False``: the
     most recent first, whatever their length (the order before 2026-12-01)."""
-    _, starts = context_matches(tokens, max_ngram, min_ngram)
+    n, starts = context_matches(tokens, max_ngram, min_ngram)
     size = len(tokens)
     if full_first:
         order = sorted(starts.tolist(), key=lambda s: (-min(size - s, length), -s))
@@ -83,7 +84,7 @@ def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: 
         if tuple(draft) in seen:
             continue
         seen.add(tuple(draft))
-        out.append(Continuation(start, draft))
+        out.append(Continuation(start, draft, n))
         if len(out) >= num:
             break
     return out

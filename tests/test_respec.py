@@ -107,7 +107,7 @@ class FixedPool:
         self.candidates = candidates
 
     def gather(self, state, length):
-        return [Candidate(c.key, list(c.tokens)) for c in self.candidates]
+        return [Candidate(c.key, list(c.tokens[:length]), c.match) for c in self.candidates]
 
 
 def test_candidates_under_the_threshold_never_reach_the_verifier():
@@ -142,9 +142,41 @@ def test_draft_length_follows_the_score():
     off = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=0.0, draft_length=8), StubDrafter())
     off.pool = pool
     tree = off.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8))
-    assert sorted(len(n) for n in tree.paths) == [10, 10]  # 0: candidates as gathered (gather cuts to draft_length)
+    assert sorted(len(n) for n in tree.paths) == [8, 8]  # 0: every candidate at draft_length
     with pytest.raises(ValueError, match="length_factor"):
         ReSpecConfig(length_factor=-1)
+
+
+def test_a_long_context_match_drafts_whole():
+    """A context candidate continuing a match of the pool's longest n-gram drafts context_length
+    tokens from its first step (prompt lookup's rule: a copy from the prompt earns its length);
+    a shorter context match and the datastore's candidates keep the score rule."""
+    long_match = Candidate(("context", -5), list(range(100, 130)), 4)
+    short_match = Candidate(("context", -9), list(range(200, 230)), 2)
+    suffix = Candidate(("suffix", -1), list(range(10, 30)))
+    config = ReSpecConfig(entropy_threshold=math.inf, draft_length=8, context_length=16, max_nodes=64)
+    assert config.pool.max_ngram == 4
+    drafter = ReSpecDrafter(None, config, StubDrafter())
+    drafter.pool = FixedPool([long_match, short_match, suffix])
+    tree = drafter.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=32))
+    paths = {tree.tokens[nodes][0].item(): len(nodes) for nodes in tree.paths}
+    assert paths == {100: 16, 200: 3, 10: 3}  # new keys: ceil(2 x prior 1) + 1 = 3 under the score rule
+    tree = drafter.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=6))
+    assert max(len(nodes) for nodes in tree.paths) == 6  # never past the budget
+    off = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, context_length=0), StubDrafter())
+    off.pool = FixedPool([long_match])
+    tree = off.propose(DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=32))
+    assert [len(n) for n in tree.paths] == [3]
+    with pytest.raises(ValueError, match="context_length"):
+        ReSpecConfig(context_length=-1)
+
+
+def test_context_continuations_record_their_match_length():
+    from specstore.runtime.retrieval import context_continuations
+
+    tokens = np.array([5, 6, 7, 8, 9, 1, 2, 6, 7, 8])  # suffix 6 7 8 occurs at 1..3: a 3-gram, continued by 9 1 2
+    found = context_continuations(tokens, 3, 2, max_ngram=4)
+    assert [(c.offset, c.tokens, c.match) for c in found] == [(4, [9, 1, 2], 3)]
 
 
 @pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf}, {"entropy_threshold": math.inf, "length_factor": 0.0}])
@@ -331,8 +363,10 @@ def test_cli_generate_parser_has_respec_options():
     from specstore.runtime.errors import SpecstoreError
 
     args = _build_parser().parse_args(["generate", "--store", "s", "--method", "respec", "--prompt", "x",
-                                       "--entropy-threshold", "1.5", "--relaxed", "on", "--relaxed-ratio", "0.2"])
-    assert registry.options_from_args("respec", args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2}
+                                       "--entropy-threshold", "1.5", "--relaxed", "on", "--relaxed-ratio", "0.2",
+                                       "--context-length", "0"])
+    assert registry.options_from_args("respec", args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2,
+                                                         "context_length": 0}
     registry.check_cli_options("respec", args)
     with pytest.raises(SpecstoreError, match="--entropy-threshold is an option of method 'respec'"):
         registry.check_cli_options("rest", args)

@@ -65,7 +65,7 @@ METHODS: dict[str, Method] = {
     "rest": Method(_D + "rest:create", suffix=True, overlay=True, cost_options={}, cost_default=True),
     "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}, cost_default=True),
     "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True,
-                     overlay=True, cost_options={"length_factor": 0.0, "score_threshold": 0.0, "max_candidates": 8,
+                     overlay=True, cost_options={"length_factor": 0.0, "context_length": 0, "score_threshold": 0.0, "max_candidates": 8,
                                                  "max_nodes": 64, "draft_length": 16}),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),

@@ -16,7 +16,11 @@ rule (relaxed.py):
 3. Selection. Candidates with ``score >= score_threshold``, best score first (ties: the pool's
    order, which interleaves context, suffix array and dense by rank), at most ``max_candidates``,
    each cut to ``ceil(length_factor x score) + 1`` tokens (a new key: 3), merged into one trie of
-   at most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier.
+   at most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier. A
+   context (prompt lookup) candidate that continues a match of the pool's longest n-gram
+   (``pool.max_ngram`` tokens, the pending one included) is cut to ``context_length`` instead,
+   whatever its score: prompt lookup's own rule, so that a long copy from the prompt drafts
+   whole from its first step and ReSpec, which holds prompt lookup, does not fall behind it.
 4. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
    nodes (``tree.node_data["retrieved"]``) may be accepted by the relaxed top-k / ratio /
    look-ahead rule (relaxed.py), which the drafter exposes as ``acceptance`` for the decode loop
@@ -24,7 +28,8 @@ rule (relaxed.py):
 
 Defaults: ``entropy_threshold`` 4 nats, ``max_candidates`` 3, ``length_factor`` 2,
 ``score_threshold`` 0.5, chosen by model-free replay of greedy references
-(``benchmarks/reference_compare.py --split tune``, ``benchmarks/respec_sweep.py``); the relaxed
+(``benchmarks/reference_compare.py --split tune``, ``benchmarks/respec_sweep.py``);
+``context_length`` 16 (BENCHMARKS.md, "A long context match drafts whole"); the relaxed
 rule's ``relaxed_top_k`` 3 and ``relaxed_ratio`` 0.3 are measured by
 ``benchmarks/respec_relaxed.py``. Figures: BENCHMARKS.md.
 
@@ -75,6 +80,11 @@ class ReSpecConfig:
     # a candidate drafts ceil(length_factor x its score) + 1 tokens (at most draft_length):
     # keys that have been accepted for long runs draft long, new or failing ones short (0 = off)
     length_factor: float = 2.0
+    # context (prompt-lookup) candidates that continue a match of the pool's longest n-gram
+    # (pool.max_ngram tokens, the pending one included) draft this many tokens whatever their
+    # score, as prompt lookup itself does, so that a long copy from the prompt drafts whole
+    # (0: the length rule above for them too)
+    context_length: int = 16
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -87,6 +97,8 @@ class ReSpecConfig:
             raise ValueError(f"length_factor must be >= 0, got {self.length_factor}")
         if self.max_candidates < 1 or self.max_nodes < 1 or self.draft_length < 1:
             raise ValueError("max_candidates, max_nodes and draft_length must be >= 1")
+        if self.context_length < 0:
+            raise ValueError(f"context_length must be >= 0, got {self.context_length}")
 
 
 def entropy(logits: torch.Tensor) -> float:
@@ -148,13 +160,17 @@ class ReSpecDrafter:
         if length <= 0:
             return DraftTree.empty()
         if self.triggers(state):
-            candidates = self.pool.gather(state, length)
+            candidates = self.pool.gather(state, min(max(cfg.draft_length, cfg.context_length), state.budget))
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
-            if cfg.length_factor > 0:
-                for c in chosen:
+            for c in chosen:
+                if cfg.context_length and c.source == "context" and c.match >= cfg.pool.max_ngram:
+                    c.tokens = c.tokens[: cfg.context_length]
+                elif cfg.length_factor > 0:
                     c.tokens = c.tokens[: self.draft_length_for(c.key, length)]
+                else:
+                    c.tokens = c.tokens[:length]
             if chosen:
                 self.num_retrieved_steps += 1
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)

@@ -17,6 +17,7 @@ CONFIG_FLAGS = {
     "entropy_threshold": "--entropy-threshold",
     "max_candidates": "--max-candidates",
     "length_factor": "--length-factor",
+    "context_length": "--context-length",
     "score_threshold": "--score-threshold",
     "relaxed_top_k": "--relaxed-top-k",
     "relaxed_ratio": "--relaxed-ratio",
@@ -31,6 +32,9 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-candidates", type=int, default=None, metavar="N", help="retrieved candidates merged into one draft tree per step (default 3)")
     g.add_argument("--length-factor", type=float, default=None, metavar="F",
                    help="a candidate drafts ceil(F x its score) + 1 tokens, at most 8 (default 2; 0 = always 8)")
+    g.add_argument("--context-length", type=int, default=None, metavar="N",
+                   help="a prompt-lookup candidate that continues a 4-token match of the context drafts N tokens "
+                   "whatever its score, as prompt lookup does (default 16; 0 = the score rule for it too)")
     g.add_argument("--score-threshold", type=float, default=None, metavar="TOKENS", help="draft only candidates whose EMA of accepted tokens reaches this (default 0.5)")
     g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
     g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K (default 3)")

@@ -43,6 +43,7 @@ SOURCES = ("context", "overlay", "suffix", "dense")
 class Candidate:
     key: tuple[str, int]
     tokens: list[int]  # draft tokens after the pending token
+    match: int = 0  # context candidates: the length of the n-gram they continue (pending token included)
 
     @property
     def source(self) -> str:
@@ -64,7 +65,7 @@ class PoolConfig:
 
 
 def _keyed(source: str, found: list[Continuation], size: int) -> list[Candidate]:
-    return [Candidate((source, c.offset - size), c.tokens) for c in found]
+    return [Candidate((source, c.offset - size), c.tokens, c.match) for c in found]
 
 
 class CandidatePool:
