@@ -48,16 +48,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the sibling benchmarks' helpers
 
-
-def memory_kib() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(line.split()[1])
-    return out
+from retrieval_latency import memory_kib  # noqa: E402  (this process' anonymous / file-backed resident memory)
 
 
 def make_queries(args) -> None:
@@ -168,12 +161,11 @@ def synthetic(args) -> None:
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
+    from dense_ann import load_rows
+
     from specstore.pipelines.writers import ANN_RERANK, write_ann_index
     from specstore.runtime import dense_files as df
     from specstore.runtime.dense import DenseIndex
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from dense_ann import load_rows
 
     emb, nxt, manifest = load_rows(args.store, args.name, None)
     tokens, counts = np.unique(nxt[nxt >= 0], return_counts=True)
