@@ -64,7 +64,7 @@ def main(argv=None):
     ap.add_argument("--ref", required=True, help="an old-form dense version")
     ap.add_argument("--references", required=True, help="a bench result with method ar")
     ap.add_argument("--methods", default="dresd,respec")
-    ap.add_argument("--ann-threshold", default="20000:64:8", help="comma list of THRESHOLD[:NPROBE:RERANK] (default probes 32, rerank 4)")
+    ap.add_argument("--ann-threshold", default="20000:64:16", help="comma list of THRESHOLD[:NPROBE:RERANK] (default probes 32, rerank 4)")
     ap.add_argument("--skip-exact", action="store_true", help="only the compact runs")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
