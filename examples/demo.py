@@ -90,16 +90,20 @@ def show(store: Path, loaded) -> dict:
 
 def decode_all(loaded, opened: dict) -> None:
     from specstore.runtime.api import generate
-    from specstore.runtime.drafters.registry import available, make_drafter
+    from specstore.runtime.cost import load_cost_model
+    from specstore.runtime.drafters.registry import available, make_drafter, uses_cost
 
     methods = [m for m in METHODS if m in available()]
+    # as `specstore generate` does by default (--cost-aware auto): rest and dresd size their trees
+    # by this machine's verification cost (measured once, then cached)
+    cost = load_cost_model(loaded.model, loaded.info, quiet=False)
     for name, prompt in (("code", CODE_PROMPT), ("chat", CHAT_PROMPT)):
         section(f"decode with every method against {name}@demo (bf16, greedy, 128 new tokens)")
         print(f"prompt: {prompt}")
         generate(loaded.model, loaded.tokenizer, "Hi", max_new_tokens=4)  # warm-up
         base, ar_ids = None, None
         for m in methods:
-            drafter = make_drafter(m, datastore=opened[name])
+            drafter = make_drafter(m, datastore=opened[name], cost=cost if uses_cost(m) else None)
             start = time.perf_counter()
             res = generate(loaded.model, loaded.tokenizer, prompt, drafter=drafter, max_new_tokens=128)
             wall = time.perf_counter() - start
