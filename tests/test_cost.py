@@ -181,7 +181,7 @@ def test_pruner_result_is_the_best_size_and_always_a_subtree():
 
 
 def test_calibration_learns_from_verify_results():
-    cal = Calibrator(weight=2.0)
+    cal = Calibrator(weight=2.0, explore=0.0)
     tree = DraftTree.chain([5, 6, 7])
     tree.node_data["bucket"] = np.array([1, 1, 1])
     start = cal.probabilities(tree)
@@ -203,7 +203,29 @@ def test_sibling_probabilities_sum_to_at_most_one():
 
 
 def cal_sum(tree):
-    return float(Calibrator().probabilities(tree).sum())
+    return float(Calibrator(explore=0.0).probabilities(tree).sum())
+
+
+def test_exploration_bonus_keeps_a_failed_cell_in_play_and_fades():
+    """A cell whose first trials all failed keeps an optimistic bonus explore / sqrt(1 + trials)
+    on top of its calibrated rate, so it is still proposed now and then; it fades with trials."""
+    tree = DraftTree.chain([5])
+    tree.node_data["bucket"] = np.array([3])
+    plain, bonus = Calibrator(explore=0.0), Calibrator(explore=0.1)
+    assert bonus.probabilities(tree)[0] == pytest.approx(plain.probabilities(tree)[0] + 0.1)  # no trial yet: the whole bonus
+    for cal in (plain, bonus):
+        for _ in range(20):
+            cal.update(tree, VerifyResult([], [], 9, 1))  # rejected every time
+    gap = bonus.probabilities(tree)[0] - plain.probabilities(tree)[0]
+    assert gap == pytest.approx(0.1 / np.sqrt(21))
+    for _ in range(380):
+        bonus.update(tree, VerifyResult([], [], 9, 1))
+    optimistic = bonus.probabilities(tree)[0]
+    bonus.explore = 0.0
+    assert optimistic - bonus.probabilities(tree)[0] == pytest.approx(0.1 / np.sqrt(401))  # still optimistic, less so
+    full = DraftTree.chain([5])
+    full.node_data["prior"] = np.array([0.97])
+    assert Calibrator(explore=0.1).probabilities(full)[0] == 1.0  # capped at 1
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -269,7 +291,7 @@ def test_cost_aware_modes_select_methods():
     from specstore.runtime.errors import SpecstoreError
 
     assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "on")] == ["pld", "rest", "dresd", "respec"]
-    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "auto")] == ["rest", "dresd"]
+    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "auto")] == ["rest", "dresd", "respec"]
     assert not any(uses_cost(m, "off") for m in ("ar", "pld", "rest", "dresd", "respec"))
     assert drafter_labels(["ar", "pld", "rest"], "both") == {"ar": ("ar", False), "pld": ("pld", False), "pld+cost": ("pld", True),
                                                             "rest": ("rest", False), "rest+cost": ("rest", True)}

@@ -13,7 +13,11 @@ registry when a cost model is given):
    parent was, for (bucket, depth): accepted / tried counts learned online from each
    VerifyResult, shrunk towards the bucket's rate over all depths, which is shrunk towards the
    node's prior (``weight`` pseudo-trials each), so it starts sensible. Siblings exclude each
-   other (one next token), so their probabilities are scaled to sum to at most 1.
+   other (one next token), so their probabilities are scaled to sum to at most 1. Then an
+   exploration bonus ``explore / sqrt(1 + trials of the cell)`` is added (at most 1): a cell
+   whose first trials failed would otherwise fall to ~0, be pruned every step and never be tried
+   again (respec's context source starved so on a chat set, BENCHMARKS.md); the bonus fades as
+   the cell gathers trials.
 3. Pruning (``prune``). A node's path probability is the product along its path; nodes sorted
    by it (parents first on ties) give, for each size k, the subtree of k nodes with the largest
    expected number of accepted tokens. The size maximising
@@ -37,6 +41,7 @@ from specstore.runtime.verify import VerifyResult
 
 MAX_DEPTH_BIN = 8  # depths 8 and beyond share one calibration cell
 DEFAULT_PRIOR = 0.5
+EXPLORE = 0.1  # the exploration bonus at a cell's first trial (module doc, 2; chosen in BENCHMARKS.md)
 
 
 def bucketize(values, edges) -> np.ndarray:
@@ -47,8 +52,8 @@ def bucketize(values, edges) -> np.ndarray:
 class Calibrator:
     """P(node accepted | parent accepted) per (bucket, depth), from counts with a prior."""
 
-    def __init__(self, weight: float = 4.0):
-        self.weight = weight
+    def __init__(self, weight: float = 4.0, explore: float = EXPLORE):
+        self.weight, self.explore = weight, explore
         self.tried: dict[tuple[int, int], float] = defaultdict(float)
         self.accepted: dict[tuple[int, int], float] = defaultdict(float)
         self.tried_b: dict[int, float] = defaultdict(float)
@@ -76,6 +81,9 @@ class Calibrator:
             total = p[members].sum()
             if total > 1.0:
                 p[members] /= total
+        if self.explore > 0:
+            trials = np.array([self.tried.get((b, d), 0.0) for b, d in zip(buckets.tolist(), depths.tolist(), strict=True)])
+            p = np.minimum(p + self.explore / np.sqrt(1.0 + trials), 1.0)
         return p
 
     def update(self, tree: DraftTree, result: VerifyResult) -> None:

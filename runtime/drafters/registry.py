@@ -56,7 +56,7 @@ COST_AWARE_MODES = ("auto", "on", "off")
 COST_AWARE_DEFAULT = "auto"
 COST_AWARE_HELP = ("size each draft tree by expected committed tokens per second under this machine's measured "
                    "verification cost (runtime/cost.py; pld, rest, dresd, respec); off: the methods' fixed caps; "
-                   "auto: on for rest and dresd, where it measured faster")
+                   "auto: on for rest, dresd and respec, where it measured or replayed faster")
 
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
@@ -66,7 +66,7 @@ METHODS: dict[str, Method] = {
     "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}, cost_default=True),
     "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True,
                      overlay=True, cost_options={"length_factor": 0.0, "context_length": 0, "score_threshold": 0.0, "max_candidates": 8,
-                                                 "max_nodes": 64, "draft_length": 16}),
+                                                 "max_nodes": 64, "draft_length": 16}, cost_default=True),
     # reference row, not a specstore method: needs the optional arctic-inference build
     "suffixdecoding": Method(_D + "suffixdecoding:create", suffix=True),
 }
