@@ -2,14 +2,16 @@
 
 For each method (rest, respec by default) an engine serves the prompts one after another, once
 with the overlay off and once on (``--overlay-tokens``, responses only unless
-``--overlay-prompts``); with ``arctic-inference`` installed (``make install-suffixdecoding``),
-SuffixDecoding serves the same stream with its learning on (one drafter for the whole stream,
-every response kept in its global tree) as the anchor. Reported per run, over the last half of
+``--overlay-prompts``), with the tree sizing ``specstore serve`` uses (``--cost-aware``, default
+auto: the cost model measured once, one calibration per engine kept across its requests); with
+``arctic-inference`` installed (``make install-suffixdecoding``), SuffixDecoding serves the same
+stream with its learning on (one drafter for the whole stream, every response kept in its global
+tree) as the anchor, interleaved with the other runs. Reported per run, over the last half of
 the stream (where learning has had the first half to work with) and over all of it: MAT (tokens
 committed per target forward, pooled over requests) and tokens/s (new tokens over the wall time
 of ``engine.generate``, which includes adding the response to the overlay), drafting time per
-step, and the overlay's accepted tokens. A method's two engines serve each prompt in turn (the
-order alternating), so that machine load drifts hit both alike. Before the model runs, the overlay's own costs: adding a request and one
+step, and the overlay's accepted tokens. Every run serves each prompt in turn (the
+order rotating), so that machine load drifts hit all alike and tokens/s compare within the run. Before the model runs, the overlay's own costs: adding a request and one
 search (``suffix_sample``, as rest does per step) at ``--overlay-tokens`` tokens of real text.
 
     python benchmarks/served_stream.py --store /work/speedstore --datastore code@prod \\
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specstore.runtime.drafters import registry
 from specstore.runtime.engine import Engine
 from specstore.runtime.models import load_model
 from specstore.runtime.overlay import DEFAULT_MAX_TOKENS, ServedOverlay
@@ -146,6 +149,9 @@ def main() -> None:
     p.add_argument("--overlay-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--overlay-prompts", action="store_true")
     p.add_argument("--no-suffixdecoding", action="store_true", help="skip the SuffixDecoding anchor even when installed")
+    p.add_argument("--cost-aware", default=registry.COST_AWARE_DEFAULT, choices=["auto", "on", "off"],
+                   help="cost-aware tree sizing, as specstore serve (default: %(default)s)")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the verification cost model again")
     p.add_argument("--costs-only", action="store_true", help="measure the overlay's add and search costs, then stop")
     p.add_argument("--json", default=None, metavar="PATH", help="write every number here")
     args = p.parse_args()
@@ -160,13 +166,19 @@ def main() -> None:
     if args.costs_only:
         return
     store = Store(args.store)
+    cost = None
+    if any(registry.uses_cost(m, args.cost_aware) for m in args.methods.split(",")):
+        from specstore.runtime.cost import load_cost_model
+
+        cost = load_cost_model(loaded.model, loaded.info, refresh=args.refresh_cost, quiet=False)
+        out["cost_model"] = cost.to_json()
+    runs = {}
     for method in args.methods.split(","):
-        runs = {}
         for overlay in ("off", "on"):
             ov = ServedOverlay(args.overlay_tokens, prompts=args.overlay_prompts) if overlay == "on" else None
             runs[f"{method} overlay {overlay}"] = (Engine(loaded, store, args.datastore, method=method, overlay=ov,
-                                                          refresh_seconds=None), None)
-        record(out, serve_streams(runs, prompts, args.max_new_tokens), args.json)
+                                                          refresh_seconds=None, cost=cost, cost_aware=args.cost_aware),
+                                                   None)
     if not args.no_suffixdecoding:
         try:
             from specstore.runtime.datastore import Datastore
@@ -175,10 +187,11 @@ def main() -> None:
             drafter = SuffixDecodingDrafter(Datastore.open(store, args.datastore, loaded.info), learn=True)
         except Exception as exc:  # the optional extra is missing
             print(f"suffixdecoding: not run ({exc})", flush=True)
-        else:
-            engine = Engine(loaded, store, args.datastore, method="ar", refresh_seconds=None)
-            record(out, serve_streams({"suffixdecoding (learning)": (engine, drafter)}, prompts, args.max_new_tokens),
-                   args.json)
+        else:  # one drafter for the whole stream: its global tree learns every response
+            runs["suffixdecoding (learning)"] = (Engine(loaded, store, args.datastore, method="ar", refresh_seconds=None),
+                                                 drafter)
+    # every run serves each prompt in turn (order rotating), so tokens/s compare within the run
+    record(out, serve_streams(runs, prompts, args.max_new_tokens), args.json)
     print("\n| run | MAT, last half | tokens/s, last half | MAT, all | tokens/s, all | overlay tokens accepted (last half) |")
     print("|---|---|---|---|---|---|")
     for label, run in out["runs"].items():
