@@ -1,0 +1,57 @@
+"""The benchmark scripts' own logic that their figures rest on: the chat stream's held-out split
+(by instruction, never by row) and the serving loop's paired before/after comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chat_stream_holds_out_instructions_not_rows(tmp_path):
+    rows = [{"instruction": f"question {i}", "output": f"answer {i} by {m}", "generator": m}
+            for m in ("alpha", "beta", "gamma") for i in range(10)]
+    source = tmp_path / "outputs.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "stream"
+    subprocess.run([sys.executable, str(BENCHMARKS / "chat_stream.py"), "--source", str(source), "--out-dir", str(out),
+                    "--every", "3", "--warm", "2", "--reference-model", "beta"], check=True, capture_output=True)
+    corpus = [json.loads(line) for line in (out / "corpus.jsonl").read_text().splitlines()]
+    stream = [json.loads(line) for line in (out / "stream.jsonl").read_text().splitlines()]
+    held = {"question 0", "question 3", "question 6", "question 9"}
+    assert {r["instruction"] for r in corpus} == {f"question {i}" for i in range(10)} - held
+    assert len(corpus) == 3 * 6  # every model's answer to every other instruction
+    assert stream[:2] == corpus[:2]  # the warm-up records come first
+    served = stream[2:]
+    assert [r["instruction"] for r in served] == ["question 0", "question 3", "question 6", "question 9"]
+    assert all(r["output"].endswith("by beta") for r in served)  # the reference model's answer
+
+
+def test_serve_loop_compare_pairs_prompts():
+    compare = _load("serve_loop").compare
+    rng = np.random.default_rng(1)
+    before = [{"committed": int(c), "steps": 40, "new_tokens": 64, "wall_s": float(w)}
+              for c, w in zip(rng.integers(50, 90, 30), rng.uniform(1.0, 3.0, 30), strict=True)]
+    after = [dict(r, committed=r["committed"] + 8, wall_s=r["wall_s"] * 0.9) for r in before]
+    out = compare(before, after)
+    mat = out["mat"]
+    assert mat["after"] > mat["before"] and mat["ratio"] > 1.0
+    lo, hi = mat["interval"]
+    assert lo <= mat["ratio"] <= hi and lo > 1.0  # the same prompts on both sides: the gain is clear
+    speed = out["tokens_per_s"]
+    assert abs(speed["ratio"] - 1 / 0.9) < 1e-3 and speed["interval"][0] > 1.0
+    same = compare(before, [dict(r) for r in before])
+    assert same["mat"]["ratio"] == 1.0 and same["mat"]["interval"] == [1.0, 1.0]
