@@ -183,12 +183,16 @@ class TreeVerifier:
             if num_nodes > kept:
                 self.cache.crop(-(num_nodes - kept))  # transformers 5.x: negative = tokens to remove
             return
+        # the accepted entries move up to follow the pending token's, in place (no copy of the
+        # whole cache per layer), then the tail is cropped
         keep = torch.tensor([num_before + 1 + i for i in accepted], device=self.device)
+        start = num_before + 1
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 full = getattr(layer, name)
-                tail = full.index_select(-2, keep)
-                setattr(layer, name, torch.cat([full[..., : num_before + 1, :], tail], dim=-2))
+                full[..., start : start + kept, :] = full.index_select(-2, keep)
+        if num_nodes > kept:
+            self.cache.crop(-(num_nodes - kept))
 
     @torch.inference_mode()
     def step(self, pending: int, tree: DraftTree, acceptance: AcceptanceRule | None = None) -> StepOutput:
