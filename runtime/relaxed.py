@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specstore.runtime.sampling import Sampling, accept, children_lists
+from specstore.runtime.sampling import Sampling, accept, children_lists, greedy_choice
 from specstore.runtime.tree import DraftTree
 
 
@@ -67,7 +67,7 @@ def accept_relaxed(
     """Greedy walk with the relaxed rule for retrieved nodes (module docstring)."""
     children = children_lists(tree)
     tokens = tree.tokens.tolist()
-    choice = logits.argmax(dim=-1).tolist()
+    choice = greedy_choice(logits).tolist()
     accepted: list[int] = []
     flags: list[bool] = []
     row = 0
