@@ -29,7 +29,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specstore.runtime.dense import DenseIndex, Neighbours
 from specstore.runtime.normaliser import Normaliser
@@ -53,14 +52,29 @@ class Continuation:
 def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> tuple[int, np.ndarray]:
     """``(n, starts)``: the longest ``n`` in ``[min_ngram, max_ngram]`` whose last ``n`` tokens
     occur earlier in ``tokens`` with at least one token after them, and the offsets just after
-    each such occurrence, ascending. ``(0, [])`` when none does. ``tokens``: int [T]."""
+    each such occurrence, ascending. ``(0, [])`` when none does. ``tokens``: int [T].
+
+    One comparison over the context finds where the last token occurs earlier (each such place
+    ends a candidate occurrence and has a token after it); only those are extended backwards,
+    one token at a time, so a step costs one pass over the context, not one per n."""
+    tokens, min_ngram = np.asarray(tokens), max(int(min_ngram), 1)  # an n-gram has a token at least
     size = len(tokens)
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        # windows starting at 0..size-n-1: each has a following token, the suffix itself is excluded
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
-        if len(hits):
-            return n, hits + n
+    longest = min(max_ngram, size - 1)
+    if longest < min_ngram:
+        return 0, np.zeros(0, dtype=np.int64)
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[-1])  # occurrence ends, the suffix itself excluded
+    matched = np.ones(ends.size, dtype=np.int64)  # how many tokens back each occurrence matches
+    alive = np.arange(ends.size)
+    for k in range(1, longest):
+        alive = alive[ends[alive] >= k]
+        alive = alive[tokens[ends[alive] - k] == tokens[size - 1 - k]]
+        if not alive.size:
+            break
+        matched[alive] += 1
+    for n in range(longest, min_ngram - 1, -1):
+        hits = ends[matched >= n]
+        if hits.size:
+            return n, (hits + 1).astype(np.int64)
     return 0, np.zeros(0, dtype=np.int64)
 
 

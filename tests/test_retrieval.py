@@ -51,6 +51,31 @@ def test_context_matches_finds_the_longest_suffix_ngram_earlier():
     assert n == 2 and starts.tolist() == [2, 3]  # overlapping occurrences, each with a following token
 
 
+def _context_matches_by_windows(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1):
+    """The definition, one window scan per n (the implementation before 2026-12-01)."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    size = len(tokens)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+        if len(hits):
+            return n, hits + n
+    return 0, np.zeros(0, dtype=np.int64)
+
+
+def test_context_matches_equals_the_window_scan_on_random_contexts():
+    rng = np.random.default_rng(7)
+    for trial in range(3000):
+        size = int(rng.integers(1, 60))
+        vocab = int(rng.choice([2, 3, 5, 20]))  # small vocabularies: long and overlapping repeats
+        tokens = rng.integers(0, vocab, size)
+        max_ngram, min_ngram = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+        got = context_matches(tokens, max_ngram, min_ngram)
+        want = _context_matches_by_windows(tokens, max_ngram, min_ngram)
+        assert got[0] == want[0] and got[1].tolist() == want[1].tolist(), (trial, tokens.tolist(), max_ngram, min_ngram)
+
+
 def test_context_continuations_full_length_most_recent_first_and_distinct():
     tokens = np.array([4, 5, 6, 4, 5, 6, 4, 7, 8, 4])
     found = context_continuations(tokens, length=2, num=5, max_ngram=1)
