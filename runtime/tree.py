@@ -91,10 +91,10 @@ class DraftTree:
 
     def depths(self) -> np.ndarray:
         """Depth of each node: 1 for children of the root."""
-        depth = np.zeros(len(self), dtype=np.int64)
-        for i, p in enumerate(self.parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return depth
+        depth: list[int] = []
+        for p in self.parents.tolist():  # parents come first; Python ints, not numpy scalars
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return np.asarray(depth, dtype=np.int64)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""

@@ -69,21 +69,21 @@ class Calibrator:
         priors = np.full(n, DEFAULT_PRIOR) if priors is None else np.clip(np.asarray(priors, dtype=float), 0.0, 1.0)
         depths = np.minimum(tree.depths(), MAX_DEPTH_BIN)
         w = self.weight
-        p = np.empty(n)
-        for i, (b, d) in enumerate(zip(buckets.tolist(), depths.tolist(), strict=True)):
-            pb = (self.accepted_b[b] + w * priors[i]) / (self.tried_b[b] + w)
-            p[i] = (self.accepted[(b, d)] + w * pb) / (self.tried[(b, d)] + w)
+        # the counts of each distinct (bucket, depth) cell once, then per node in numpy
+        cells = list(zip(buckets.tolist(), depths.tolist(), strict=True))
+        distinct = {cell: k for k, cell in enumerate(dict.fromkeys(cells))}
+        which = np.fromiter((distinct[c] for c in cells), dtype=np.int64, count=n)
+        counts = np.array([(self.accepted_b.get(b, 0.0), self.tried_b.get(b, 0.0), self.accepted.get(c, 0.0),
+                            self.tried.get(c, 0.0)) for c in distinct for b in (c[0],)], dtype=float)
+        acc_b, tried_b, acc, tried = (counts[which, j] for j in range(4))
+        pb = (acc_b + w * priors) / (tried_b + w)
+        p = (acc + w * pb) / (tried + w)
         # siblings are exclusive: their probabilities may sum to 1 at most
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, parent in enumerate(tree.parents.tolist()):
-            groups[parent].append(i)
-        for members in groups.values():
-            total = p[members].sum()
-            if total > 1.0:
-                p[members] /= total
+        group = tree.parents + 1  # 0: children of the root
+        total = np.bincount(group, weights=p, minlength=n + 1)
+        p = p / np.maximum(total, 1.0)[group]
         if self.explore > 0:
-            trials = np.array([self.tried.get((b, d), 0.0) for b, d in zip(buckets.tolist(), depths.tolist(), strict=True)])
-            p = np.minimum(p + self.explore / np.sqrt(1.0 + trials), 1.0)
+            p = np.minimum(p + self.explore / np.sqrt(1.0 + tried), 1.0)
         return p
 
     def update(self, tree: DraftTree, result: VerifyResult) -> None:
