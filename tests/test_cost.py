@@ -206,6 +206,42 @@ def cal_sum(tree):
     return float(Calibrator(explore=0.0).probabilities(tree).sum())
 
 
+def _probabilities_by_node(cal: Calibrator, tree: DraftTree) -> np.ndarray:
+    """The calibration's definition, node by node (module doc of cost_aware, point 2)."""
+    n, w = len(tree), cal.weight
+    buckets = tree.node_data["bucket"].tolist()
+    priors = tree.node_data.get("prior", np.full(n, 0.5))
+    depths = np.minimum(tree.depths(), 8).tolist()
+    p = np.empty(n)
+    for i, (b, d) in enumerate(zip(buckets, depths, strict=True)):
+        pb = (cal.accepted_b.get(b, 0.0) + w * priors[i]) / (cal.tried_b.get(b, 0.0) + w)
+        p[i] = (cal.accepted.get((b, d), 0.0) + w * pb) / (cal.tried.get((b, d), 0.0) + w)
+    for parent in set(tree.parents.tolist()):  # siblings exclude each other
+        members = np.flatnonzero(tree.parents == parent)
+        if p[members].sum() > 1.0:
+            p[members] /= p[members].sum()
+    trials = np.array([cal.tried.get((b, d), 0.0) for b, d in zip(buckets, depths, strict=True)])
+    return np.minimum(p + cal.explore / np.sqrt(1.0 + trials), 1.0)
+
+
+def test_calibrated_probabilities_follow_the_definition_on_random_trees():
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        n = int(rng.integers(1, 65))
+        tree = DraftTree(rng.integers(0, 50, n), [-1] + [int(rng.integers(-1, i)) for i in range(1, n)])
+        tree.node_data["bucket"] = rng.integers(0, 6, n)
+        if rng.random() < 0.5:
+            tree.node_data["prior"] = rng.random(n)
+        cal = Calibrator(explore=float(rng.choice([0.0, 0.1])))
+        for _ in range(int(rng.integers(0, 30))):
+            b, d = int(rng.integers(0, 6)), int(rng.integers(1, 9))
+            cal.tried[(b, d)] += float(rng.integers(1, 9))
+            cal.accepted[(b, d)] += float(rng.integers(0, 2))
+            cal.tried_b[b] += 3.0
+            cal.accepted_b[b] += 1.0
+        assert np.allclose(cal.probabilities(tree), _probabilities_by_node(cal, tree), rtol=0, atol=1e-12)
+
+
 def test_exploration_bonus_keeps_a_failed_cell_in_play_and_fades():
     """A cell whose first trials all failed keeps an optimistic bonus explore / sqrt(1 + trials)
     on top of its calibrated rate, so it is still proposed now and then; it fades with trials."""
