@@ -101,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = f"{args.name}@{args.tag}"
     store.resolve(ref)
     loaded = load_model(args.model, dtype=args.dtype)
-    cost = None
-    if any(registry.uses_cost(m, args.cost_aware) for m in methods):
-        from specstore.runtime.cost import load_cost_model
-
-        cost = load_cost_model(loaded.model, loaded.info, quiet=False)
+    cost = registry.cost_model_for(loaded, methods, args.cost_aware, quiet=False)
 
     def engine_on(reference: str, **options) -> Engine:
         return Engine(loaded, store, reference, method=methods[0], refresh_seconds=None, cost=cost,

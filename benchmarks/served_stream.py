@@ -166,11 +166,8 @@ def main() -> None:
     if args.costs_only:
         return
     store = Store(args.store)
-    cost = None
-    if any(registry.uses_cost(m, args.cost_aware) for m in args.methods.split(",")):
-        from specstore.runtime.cost import load_cost_model
-
-        cost = load_cost_model(loaded.model, loaded.info, refresh=args.refresh_cost, quiet=False)
+    cost = registry.cost_model_for(loaded, args.methods.split(","), args.cost_aware, refresh=args.refresh_cost, quiet=False)
+    if cost is not None:
         out["cost_model"] = cost.to_json()
     runs = {}
     for method in args.methods.split(","):

@@ -47,11 +47,7 @@ def main() -> None:
     store = Store(args.store)
     datastore = Datastore.open(store, args.datastore, loaded.info)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    cost = None
-    if any(registry.uses_cost(m, args.cost_aware) for m in methods):
-        from specstore.runtime.cost import load_cost_model
-
-        cost = load_cost_model(loaded.model, loaded.info, quiet=False)
+    cost = registry.cost_model_for(loaded, methods, args.cost_aware, quiet=False)
 
     def drafter_for(method: str):
         if method == "suffixdecoding":

@@ -90,13 +90,12 @@ def show(store: Path, loaded) -> dict:
 
 def decode_all(loaded, opened: dict) -> None:
     from specstore.runtime.api import generate
-    from specstore.runtime.cost import load_cost_model
-    from specstore.runtime.drafters.registry import available, make_drafter, uses_cost
+    from specstore.runtime.drafters.registry import available, cost_model_for, make_drafter, uses_cost
 
     methods = [m for m in METHODS if m in available()]
     # as `specstore generate` does by default (--cost-aware auto): rest and dresd size their trees
     # by this machine's verification cost (measured once, then cached)
-    cost = load_cost_model(loaded.model, loaded.info, quiet=False)
+    cost = cost_model_for(loaded, methods, quiet=False)
     for name, prompt in (("code", CODE_PROMPT), ("chat", CHAT_PROMPT)):
         section(f"decode with every method against {name}@demo (bf16, greedy, 128 new tokens)")
         print(f"prompt: {prompt}")

@@ -71,11 +71,10 @@ def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> t
         if not alive.size:
             break
         matched[alive] += 1
-    for n in range(longest, min_ngram - 1, -1):
-        hits = ends[matched >= n]
-        if hits.size:
-            return n, (hits + 1).astype(np.int64)
-    return 0, np.zeros(0, dtype=np.int64)
+    n = int(matched.max()) if ends.size else 0
+    if n < min_ngram:
+        return 0, np.zeros(0, dtype=np.int64)
+    return n, (ends[matched == n] + 1).astype(np.int64)
 
 
 def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: int, min_ngram: int = 1, *,

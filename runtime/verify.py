@@ -178,21 +178,17 @@ class TreeVerifier:
     def compact(self, num_before: int, tree: DraftTree, accepted: list[int]) -> None:
         """Keep the cache entries of the pending token and the accepted path, drop the rest.
         When the path is the tree's first nodes in order (always so for a chain) a crop suffices."""
-        num_nodes, kept = len(tree), len(accepted)
-        if accepted == list(range(kept)):
-            if num_nodes > kept:
-                self.cache.crop(-(num_nodes - kept))  # transformers 5.x: negative = tokens to remove
-            return
-        # the accepted entries move up to follow the pending token's, in place (no copy of the
-        # whole cache per layer), then the tail is cropped
-        keep = torch.tensor([num_before + 1 + i for i in accepted], device=self.device)
-        start = num_before + 1
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                full = getattr(layer, name)
-                full[..., start : start + kept, :] = full.index_select(-2, keep)
+        num_nodes, kept, start = len(tree), len(accepted), num_before + 1
+        if accepted != list(range(kept)):
+            # the accepted entries move up to follow the pending token's, in place (no copy of
+            # the whole cache per layer); the crop below drops the tail
+            keep = torch.tensor([start + i for i in accepted], device=self.device)
+            for layer in self.cache.layers:
+                for name in ("keys", "values"):
+                    full = getattr(layer, name)
+                    full[..., start : start + kept, :] = full.index_select(-2, keep)
         if num_nodes > kept:
-            self.cache.crop(-(num_nodes - kept))
+            self.cache.crop(-(num_nodes - kept))  # transformers 5.x: negative = tokens to remove
 
     @torch.inference_mode()
     def step(self, pending: int, tree: DraftTree, acceptance: AcceptanceRule | None = None) -> StepOutput:

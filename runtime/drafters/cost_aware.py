@@ -73,8 +73,8 @@ class Calibrator:
         cells = list(zip(buckets.tolist(), depths.tolist(), strict=True))
         distinct = {cell: k for k, cell in enumerate(dict.fromkeys(cells))}
         which = np.fromiter((distinct[c] for c in cells), dtype=np.int64, count=n)
-        counts = np.array([(self.accepted_b.get(b, 0.0), self.tried_b.get(b, 0.0), self.accepted.get(c, 0.0),
-                            self.tried.get(c, 0.0)) for c in distinct for b in (c[0],)], dtype=float)
+        counts = np.array([(self.accepted_b.get(b, 0.0), self.tried_b.get(b, 0.0), self.accepted.get((b, d), 0.0),
+                            self.tried.get((b, d), 0.0)) for b, d in distinct], dtype=float)
         acc_b, tried_b, acc, tried = (counts[which, j] for j in range(4))
         pb = (acc_b + w * priors) / (tried_b + w)
         p = (acc + w * pb) / (tried + w)

@@ -134,6 +134,18 @@ def uses_cost(method: str, mode: str = COST_AWARE_DEFAULT) -> bool:
     return mode == "on" or spec.cost_default
 
 
+def cost_model_for(loaded, methods: Iterable[str], mode: str = COST_AWARE_DEFAULT, *, refresh: bool = False,
+                   quiet: bool = True):
+    """The verification cost model of ``loaded`` (load_model's result; cached, measured when
+    missing or on ``refresh``: cost.load_cost_model) when any of ``methods`` sizes its trees by
+    cost under ``--cost-aware mode``; None, with nothing measured, when none does."""
+    if not any(uses_cost(m, mode) for m in methods):
+        return None
+    from specstore.runtime.cost import load_cost_model
+
+    return load_cost_model(loaded.model, loaded.info, refresh=refresh, quiet=quiet)
+
+
 def make_drafter(method: str, datastore=None, *, cost=None, **options) -> Drafter:
     """Build the drafter for ``method`` (ar, pld, and whatever else is registered). ``cost``: a
     cost.CostModel: a method that supports it proposes with its ``cost_options`` (options given
