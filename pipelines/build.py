@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from specstore.pipelines import resume as resumer
 from specstore.pipelines import workers
 from specstore.pipelines.commit import BuildResult, finalise, keep_unchanged
 from specstore.pipelines.plan import BuildPlan, plan_build, single_process
@@ -29,7 +30,7 @@ def build(
     pca_dims: int = 64, continuation_length: int = 10, batch_tokens: int = 4096, dtype: str = "float32",
     tag: str | None = None, runner: str = "DirectRunner", beam_args: list[str] | None = None, progress: bool | str = True,
     test_pipeline=None, mode: str = "full", force: bool = False, normaliser: str | Path | None = None,
-    sa_shard_tokens: int | None = None, index: str | None = None, ann_threshold: int | None = None,
+    sa_shard_tokens: int | None = None, index: str | None = None, ann_threshold: int | None = None, resume: bool = False,
 ) -> BuildResult:
     """Build one new version of datastore ``name`` from ``corpus`` and commit it (see module doc).
 
@@ -45,7 +46,8 @@ def build(
     dense version's next-token blocks of at least this many rows get an approximate index
     (None: runtime/dense_files.py ``ANN_THRESHOLD``, or an append's parent's). ``progress``:
     True for progress bars, ``"lines"`` for a plain line per stage every minute (a log file),
-    False for none.
+    False for none. ``resume``: reuse the embedded batches of the newest unfinished (killed) build
+    of ``name`` made from the same corpus, settings and model (resume.py); only the rest is embedded.
     """
     started = time.monotonic()
     dtype = resolve_build_dtype(dtype)  # "auto": bf16 where it runs fast; the manifest records the resolved name
@@ -57,10 +59,16 @@ def build(
         in_process=test_pipeline is not None or single_process(runner, beam_args), progress=progress,
         max_docs=max_docs, sa_shard_tokens=sa_shard_tokens, regenerate=regenerate, max_doc_tokens=max_doc_tokens,
         max_new_tokens=max_new_tokens, pca_dims=pca_dims, continuation_length=continuation_length,
-        batch_tokens=batch_tokens, dtype=dtype, index=index, ann_threshold=ann_threshold,
+        batch_tokens=batch_tokens, dtype=dtype, index=index, ann_threshold=ann_threshold, resume=resume,
     )
     if plan.unchanged is not None:
         return keep_unchanged(store, plan, tag=tag, started=started)
+    if not plan.sparse:
+        resumer.write_record(plan)  # before any batch is staged: a killed build can be resumed
+    if plan.resumed_from and progress:
+        reused = sum(b.num_tokens for b in plan.resumed)
+        print(f"resuming build {', '.join(plan.resumed_from)}: {len(plan.resumed)} staged batches ({reused:,} tokens) reused, "
+              "the rest embedded", file=sys.stderr)
     run_pipeline(plan, runner=runner, beam_args=beam_args, test_pipeline=test_pipeline)
     return finalise(store, plan, tag=tag, started=started)
 
@@ -105,6 +113,7 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
         dtype=args.dtype, tag=args.tag, runner=args.runner, beam_args=extra_beam_args, progress=progress,
         mode=mode, force=getattr(args, "force", False), sa_shard_tokens=getattr(args, "sa_shard_tokens", None),
         index=getattr(args, "index", None), ann_threshold=getattr(args, "ann_threshold", None),
+        resume=getattr(args, "resume", False),
     )
     m = result.manifest
     tag = f" (tag {args.tag})" if args.tag else ""
@@ -112,7 +121,9 @@ def run_from_args(args: argparse.Namespace, extra_beam_args: list[str]) -> int:
         print(f"{m.name}@{m.version}{tag}: unchanged (same corpus content, settings and model); no new version")
         return 0
     added = f", {m.lineage.added_documents} added by {mode}" if mode != "full" and m.lineage else ""
-    rate = f", {m.lineage.added_tokens / result.seconds:,.0f} tokens/s" if m.lineage and result.seconds > 0 else ""
+    rate = f", {m.lineage.added_tokens / result.seconds:,.0f} tokens/s" if m.lineage and result.seconds > 0 and not result.resumed_tokens else ""
+    if result.resumed_tokens:
+        rate = f", {result.resumed_tokens:,} tokens' embeddings reused from a killed build"
     print(
         f"{m.name}@{m.version}{tag}: {m.num_documents} documents{added}, {m.num_tokens} tokens ({m.index}), {m.num_rejected} rejected "
         f"(see {result.rejected_path}) in {result.seconds:.1f} s{rate}"

@@ -20,6 +20,7 @@ from specstore.pipelines import files
 from specstore.pipelines.append import link_parent_fragments
 from specstore.pipelines.lineage import PIPELINE_VERSION
 from specstore.pipelines.plan import REJECTED_FILE, BuildPlan
+from specstore.pipelines.resume import remove_resumed
 from specstore.pipelines.summary import BuildSummary
 from specstore.runtime import dense_files as df
 from specstore.runtime.errors import SpecstoreError
@@ -37,6 +38,7 @@ class BuildResult:
     rejected_path: Path | str  # a URI in a remote store
     seconds: float
     unchanged: bool = False  # True: nothing to build; ``manifest`` is the existing newest version
+    resumed_tokens: int = 0  # --resume: tokens whose embeddings came from the killed build's staging
 
 
 def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: float | None = None) -> BuildResult:
@@ -83,7 +85,9 @@ def finalise(store: Store, plan: BuildPlan, *, tag: str | None = None, started: 
     committed = store.commit(manifest)
     if tag is not None:
         store.set_tag(f"{plan.name}@{committed.version}", tag)
-    return BuildResult(committed, summary.num_rejected, plan.rejected_path, time.monotonic() - (started or time.monotonic()))
+    remove_resumed(plan)  # what is left of a resumed build (its batches were moved into this one's staging)
+    return BuildResult(committed, summary.num_rejected, plan.rejected_path, time.monotonic() - (started or time.monotonic()),
+                       resumed_tokens=sum(b.num_tokens for b in plan.resumed))
 
 
 def _dense_files(dense: DenseFiles | None) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specstore.pipelines import append
+from specstore.pipelines import resume as resumer
 from specstore.pipelines.append import BaseVersion
 from specstore.pipelines.corpus import Chunk, Source, plan_chunks, resolve_sources, source_sha256
 from specstore.pipelines.lineage import MODES, PIPELINE_VERSION, fingerprint, refit_paths
@@ -72,6 +73,8 @@ class BuildPlan:
     table_format: int = TABLE_FORMAT  # compact: the tokens table's layout (schemas/tables.py); an append keeps its parent's
     unchanged: VersionRecord | None = None  # the newest version, which this build would reproduce: nothing to run
     storage_options: tuple[tuple[str, str], ...] = ()  # a remote store's options as given (workers add their environment's)
+    resumed_from: tuple[str, ...] = ()  # --resume: the unfinished builds whose staged batches this one reuses (resume.py)
+    resumed: tuple = ()  # its complete staging files (resume.ResumedBatch), moved into this build's staging, not embedded again
 
     staging_name = STAGING_DIR
     summary_name = SUMMARY_FILE
@@ -143,7 +146,8 @@ class BuildPlan:
 def plan_build(
     store: Store, name: str, corpus: list[str], *, mode: str = "full", fmt: str = "auto", model: str | None = None,
     force: bool = False, normaliser: str | Path | None = None, in_process: bool = True, progress: bool | str = True,
-    max_docs: int | None = None, sa_shard_tokens: int | None = None, index: str | None = None, **settings,
+    max_docs: int | None = None, sa_shard_tokens: int | None = None, index: str | None = None, resume: bool = False,
+    **settings,
 ) -> BuildPlan:
     """Decide one build of datastore ``name`` (see module doc); nothing is written.
 
@@ -155,7 +159,8 @@ def plan_build(
     runs in this process (the model loaded here to check it is the one they use). ``settings``:
     the remaining BuildPlan fields (``regenerate``, ``pca_dims``, ``dtype``, ...); None means
     the default. ``index``: ``dense`` or ``sparse`` (None: dense, or an append's parent's kind;
-    an append given the other kind is refused).
+    an append given the other kind is refused). ``resume``: reuse the staged batches of the newest
+    unfinished build with the same resume record (resume.py; a SpecstoreError when there is none).
     """
     from specstore.runtime.models import resolve_model_path
 
@@ -213,6 +218,11 @@ def plan_build(
         unchanged = parent is not None and not force and fingerprint(parent.manifest) == plan.fingerprint()
     if unchanged:
         return replace(plan, unchanged=parent)
+    if resume:
+        if plan.sparse:
+            raise SpecstoreError("--resume reuses embedded batches, and a sparse build embeds none: rebuild it without --resume")
+        resumed_from, batches = resumer.find(store, plan)
+        plan = replace(plan, resumed_from=resumed_from, resumed=batches)
     return replace(plan, chunks=tuple(c for s in plan.sources for c in plan_chunks(s)))
 
 

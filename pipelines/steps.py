@@ -9,8 +9,10 @@ embed.py, normalise.py and writers.py; the graph that wires the steps is in tran
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 import apache_beam as beam
 import numpy as np
@@ -141,6 +143,38 @@ class EmbedFn(beam.DoFn):
         del hidden
         workers.release_memory()
         yield staged
+
+
+class ResumeFn(EmbedFn):
+    """A staging file of the build being resumed (resume.ResumedBatch) -> the same file, moved
+    into this build's staging (main), and its normaliser statistics (``stats``), as EmbedFn
+    would have computed them from the same batch. No model."""
+
+    def setup(self):
+        pass
+
+    def process(self, batch, total: int | None = None):
+        from specstore.pipelines.embed import load_staged
+
+        name = batch.rel.rsplit("/", 1)[-1]
+        rel = files.version_rel(self.plan, f"{self.plan.staging_name}/{name}")
+        location = self.plan.location
+        if location.remote:  # a server-side copy, then the old object goes
+            location.copy(batch.rel, rel)
+            location.delete_file(batch.rel)
+            path = location.child(rel)
+        else:  # a rename: the old build's folder keeps nothing this one needs
+            path = str(location.local_root / rel)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(location.local_root / batch.rel, path)
+        with files.local_copy(path, dict(self.plan.storage_options)) as local:
+            _, _, hidden = load_staged(str(local))
+        workers.advance("resume", batch.num_tokens, self.plan.progress, total)
+        stats = NormStats.of(sample_rows(hidden, self.plan.fit_rows_per_batch))
+        self.stats = stats if self.stats is None else self.stats.merge(stats)
+        del hidden
+        workers.release_memory()
+        yield StagedBatch(path, batch.doc_ids, batch.num_tokens)
 
 
 class NormStatsCombineFn(beam.CombineFn):

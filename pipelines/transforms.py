@@ -45,6 +45,10 @@ def _first_n(record, counts: dict[int, int], n: int) -> bool:
     return sum(c for s, c in counts.items() if s < record.source_index) + record.record_index < n
 
 
+def _not_resumed(document, resumed: frozenset) -> bool:
+    return document.doc_id not in resumed
+
+
 def _total(plan: BuildPlan, items: PCollection, label: str, size) -> object:
     """A stage's whole amount (sum of ``size`` over ``items``) as a side input for its progress
     bar; None (no total) when there are no bars or the steps run in several processes."""
@@ -115,18 +119,30 @@ def expand_build(p: beam.Pipeline, plan: BuildPlan) -> BuildOutputs:
         documents = (documents, generated) | "AllDocuments" >> beam.Flatten()
 
     if not plan.sparse:
+        to_embed = documents
+        if plan.resumed:  # --resume: the old build's staged batches come back as they are; only the rest is embedded
+            to_embed = documents | "SkipResumed" >> beam.Filter(_not_resumed, resumed=frozenset(d for b in plan.resumed for d in b.doc_ids))
         embedded = (
-            documents
+            to_embed
             | "BatchDocuments" >> _Batch(plan.batch_tokens)
-            | "Embed" >> beam.ParDo(steps.EmbedFn(plan), total=_total(plan, documents, "Tokens", lambda d: len(d.tokens)))
+            | "Embed" >> beam.ParDo(steps.EmbedFn(plan), total=_total(plan, to_embed, "Tokens", lambda d: len(d.tokens)))
             .with_outputs("stats", main="staged")
         )
-        staged = embedded.staged
+        staged, stats = embedded.staged, embedded.stats
+        if plan.resumed:
+            reused = (
+                p
+                | "ResumedBatches" >> beam.Create(list(plan.resumed))
+                | "Resume" >> beam.ParDo(steps.ResumeFn(plan), total=sum(b.num_tokens for b in plan.resumed) if plan.progress and plan.in_process else None)
+                .with_outputs("stats", main="staged")
+            )
+            staged = (staged, reused.staged) | "AllStaged" >> beam.Flatten()
+            stats = (stats, reused.stats) | "AllStats" >> beam.Flatten()
         if plan.normaliser_path is not None:  # append: the parent's normaliser, so old rows stay valid
             normaliser = p | "NormaliserPath" >> beam.Create([plan.normaliser_path]) | "ReuseNormaliser" >> beam.Map(writers.reuse_normaliser, plan=plan)
         else:
             normaliser = (
-                embedded.stats
+                stats
                 | "CombineStats" >> beam.CombineGlobally(steps.NormStatsCombineFn())
                 | "FitNormaliser" >> beam.Map(writers.fit_and_save, plan=plan)
             )

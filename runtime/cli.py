@@ -89,6 +89,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help=f"dense: next-token blocks of at least N rows get an approximate (faiss) index, smaller ones are searched "
                    f"exactly (default {ANN_THRESHOLD}; --append keeps the parent's)")
     p.add_argument("--force", action="store_true", help="build even when corpus content, settings and model are unchanged")
+    p.add_argument("--resume", action="store_true",
+                   help="dense: reuse the embedded batches of the newest unfinished (killed or crashed) build of this datastore "
+                   "made with the same corpus, settings and model, and embed only the rest; an error when there is none. "
+                   "Only once that build has stopped")
     p.set_defaults(handler=_cmd_build, forwards_to="beam")
 
     p = sub.add_parser("versions", help="list the versions of a datastore", description="List versions with tags, counts and creation time.")

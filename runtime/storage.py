@@ -170,6 +170,12 @@ class Location:
     def open_input(self, rel: str):
         return self.fs.open_input_stream(self._path(rel))
 
+    def open_seekable(self, rel: str):
+        """``rel`` as a readable, seekable binary file (np.load of an .npz reads its end first)."""
+        if not self.remote:
+            return open(self._path(rel), "rb")
+        return self.fs.open_input_file(self._path(rel))
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a whole file so that readers see the old content or the new, never a part:
         an object PUT is atomic; a local file is written beside it and renamed."""

@@ -169,3 +169,33 @@ def test_portable_build_into_s3_equals_the_direct_build(s3, tiny_model_dir, tmp_
     with portable_services(tmp_path) as beam_options:
         assert _build(uri, s3, tiny_model_dir, FIRST, *beam_options) == 0
     _assert_same(_arrays(Store(uri, storage_options=s3.options), "b@1"), _arrays(Store(local), "b@1"))
+
+
+def test_crashed_build_on_s3_resumes(s3, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--resume in a bucket: the crashed build's staged objects are copied into the new build,
+    which equals an uninterrupted one, and the crashed build's objects go."""
+    from specstore.pipelines import steps
+
+    monkeypatch.setenv("SPECSTORE_FILE_CACHE", str(tmp_path / "cache"))
+    uri = s3.uri()
+    store = Store(uri, storage_options=s3.options)
+    original, count = steps.EmbedFn.process, {"n": 0}
+
+    def crash_after_two(self, docs, total=None):
+        if count["n"] >= 2:
+            raise RuntimeError("injected crash")
+        count["n"] += 1
+        yield from original(self, docs, total)
+
+    with monkeypatch.context() as m:
+        m.setattr(steps.EmbedFn, "process", crash_after_two)
+        with pytest.raises(Exception, match="injected crash"):
+            _build(uri, s3, tiny_model_dir, FIRST, "--batch-tokens", "64", name="rs")
+    (crashed,) = [e for e, _ in store.location.list_dir("_files/rs")]
+    staged = [rel for rel, is_file, _, _ in store.location.walk(f"_files/rs/{crashed}/_staging") if is_file and "/embed-" in rel]
+    assert len(staged) == 2
+    assert _build(uri, s3, tiny_model_dir, FIRST, "--batch-tokens", "64", "--resume", name="rs") == 0
+    assert "reused from a killed build" in capsys.readouterr().out
+    assert not list(store.location.walk(f"_files/rs/{crashed}"))
+    assert _build(uri, s3, tiny_model_dir, FIRST, "--batch-tokens", "64", "--force", name="rs") == 0
+    _assert_same(_arrays(store, "rs@1"), _arrays(store, "rs@2"))
