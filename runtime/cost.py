@@ -35,6 +35,8 @@ from specstore.runtime.tree import DraftTree
 NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024)
 REPEATS = 7
+ONLINE_PRIOR = 20.0  # observe: the measured table counts as this many steps
+ONLINE_MEMORY = 200.0  # observe: steps of memory (older ones fade by 1 - 1/this per step)
 VERSION = 2  # of the cache file's layout (2: whole verification steps, not forwards alone)
 
 
@@ -49,7 +51,11 @@ class CostModel:
     contexts: list[int]
     seconds: list[list[float]]
     key: dict
+    level: float = 1.0  # online: measured steps of plain decoding over the table's (observe)
+    tree_scale: float = 1.0  # online: what a step's tree part costs over the table's (observe)
+    observed: int = 0  # steps observed
     fit: list[tuple[float, float]] = field(init=False, default_factory=list)
+    _sums: list[float] = field(init=False, default_factory=lambda: [0.0, 0.0, 0.0, 0.0], repr=False)
 
     def __post_init__(self) -> None:
         if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
@@ -59,9 +65,47 @@ class CostModel:
         self.fit = [_line(self.nodes, row) for row in self.seconds]
 
     def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
-        """Predicted seconds of a forward over ``nodes`` (int or array) tree nodes after
-        ``context`` cached tokens (None: the first measured context): per context the fitted
-        line ``a + b * nodes``, linear between (and beyond) the measured contexts."""
+        """Predicted seconds of a verification step over ``nodes`` (int or array) tree nodes
+        after ``context`` cached tokens (None: the first measured context): the measured table's
+        (``table_seconds``) with the online corrections: ``level * (t0 + tree_scale * (t - t0))``,
+        ``t0`` the table's plain decoding step at that context."""
+        t = self.table_seconds(nodes, context)
+        t0 = self.table_seconds(0, context)
+        out = self.level * (t0 + self.tree_scale * (np.asarray(t) - t0))
+        return float(out) if np.ndim(out) == 0 else out
+
+    def observe(self, nodes: int, context: int | None, seconds: float) -> None:
+        """One verification step the decode loop timed: corrects the table online for what the
+        machine does now (its load, clocks and caches drift; the table was measured once).
+        Plain decoding steps (0 nodes) estimate ``level``, the ratio of measured to tabled
+        seconds; tree steps estimate ``tree_scale``, the least-squares ratio of their measured
+        extra over plain decoding (relative) to the table's. Both start where they are (1 for a
+        measured table) as ``ONLINE_PRIOR`` steps' worth, and every step, those included, fades
+        with a memory of ``ONLINE_MEMORY`` steps; each stays within [1/4, 4]."""
+        if not np.isfinite(seconds) or seconds <= 0:
+            return
+        t0 = float(self.table_seconds(0, context))
+        if self.observed == 0:  # the table as ONLINE_PRIOR steps that agree with it (fading like any step)
+            x8 = max(float(self.table_seconds(8, context)) / t0 - 1.0, 1e-3)
+            self._sums = [ONLINE_PRIOR * self.level, ONLINE_PRIOR, ONLINE_PRIOR * self.tree_scale * x8 * x8, ONLINE_PRIOR * x8 * x8]
+        decay = 1.0 - 1.0 / ONLINE_MEMORY
+        self._sums = [x * decay for x in self._sums]
+        if nodes <= 0:
+            self._sums[0] += seconds / t0
+            self._sums[1] += 1.0
+        else:
+            x = float(self.table_seconds(nodes, context)) / t0 - 1.0  # the table's relative tree part
+            y = seconds / (self.level * t0) - 1.0  # the measured one
+            self._sums[2] += x * y
+            self._sums[3] += x * x
+        self.observed += 1
+        su, wu, sxy, sxx = self._sums
+        self.level = float(np.clip(su / wu, 0.25, 4.0))
+        self.tree_scale = float(np.clip(sxy / sxx, 0.25, 4.0))
+
+    def table_seconds(self, nodes, context: int | None = None) -> np.ndarray | float:
+        """The measured table's seconds: per context the fitted line ``a + b * nodes``, linear
+        between (and beyond) the measured contexts."""
         n = np.asarray(nodes, dtype=float)
         rows = [a + b * n for a, b in self.fit]
         if context is None or len(self.contexts) == 1:
@@ -78,14 +122,22 @@ class CostModel:
         return self.seconds_for(nodes, context) / self.seconds_for(0, context)
 
     def to_json(self) -> dict:
-        return {"version": VERSION, **asdict(self)}
+        out = {"version": VERSION, **asdict(self)}
+        del out["_sums"]
+        return out
+
+    def table_only(self) -> CostModel:
+        """The measured table without online corrections (what the cache file holds)."""
+        return CostModel(list(self.nodes), list(self.contexts), [list(r) for r in self.seconds], dict(self.key))
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         if data.get("version") != VERSION:
             raise ValueError(f"cost cache version {data.get('version')!r}, expected {VERSION}")
         return cls([int(n) for n in data["nodes"]], [int(c) for c in data["contexts"]],
-                   [[float(s) for s in row] for row in data["seconds"]], dict(data["key"]))
+                   [[float(s) for s in row] for row in data["seconds"]], dict(data["key"]),
+                   level=float(data.get("level", 1.0)), tree_scale=float(data.get("tree_scale", 1.0)),
+                   observed=int(data.get("observed", 0)))
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> CostModel:
@@ -241,6 +293,6 @@ def load_cost_model(model, info, *, refresh: bool = False, root: Path | None = N
         fitted = measure(step or ForwardStep(model), nodes, ctx, repeats, clock, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(fitted.to_json(), indent=1))
+    tmp.write_text(json.dumps(fitted.table_only().to_json(), indent=1))
     os.replace(tmp, path)
     return fitted

@@ -111,6 +111,7 @@ def decode(
     drafter.reset(list(prompt_ids))
     acceptance = getattr(drafter, "acceptance", None)  # a drafter's own rule; None = sampling's
     vocab = getattr(verifier, "vocab_size", None)  # drafted ids outside it never reach the verifier
+    timed = getattr(verifier, "timed", True)  # a replay's steps take no real time: drafters must not learn from it
 
     def commit(proposed: list[int], hidden, logits) -> str | None:
         """Append what a forward produced (cut at EOS and the limits); the stop reason, if any."""
@@ -150,6 +151,7 @@ def decode(
             stats.num_relaxed += sum(result.relaxed[:kept])
         # observe
         observed = time.perf_counter()
+        state.verify_s = verified - drafted if timed else None
         drafter.observe(state, tree, result)
         stats.drafting_s += drafted - clock + time.perf_counter() - observed
         stats.verifying_s += verified - drafted

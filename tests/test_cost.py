@@ -334,3 +334,46 @@ def test_cost_aware_modes_select_methods():
     assert drafter_labels(["ar", "pld", "rest"], "auto") == {"ar": ("ar", False), "pld": ("pld", False), "rest": ("rest", True)}
     with pytest.raises(SpecstoreError, match="cost-aware must be one of"):
         drafter_labels(["pld"], "sometimes")
+
+
+def test_online_corrections_follow_the_measured_steps():
+    """observe: plain steps set the level, tree steps the scale of the tree part; the prior holds
+    them at 1 before any step, the clamps bound them, the cache file keeps the table alone."""
+    table = CostModel([0, 1, 2, 4, 8, 16], [100, 1000], [[linear(n, c) for n in (0, 1, 2, 4, 8, 16)] for c in (100, 1000)], {})
+    assert (table.level, table.tree_scale) == (1.0, 1.0) and table.relative(8, 300) == pytest.approx(linear(8, 300) / linear(0, 300))
+    rng = np.random.default_rng(0)
+    for _ in range(600):  # the machine now: plain steps 1.2x the table's, a tree's extra 1.5x the table's extra
+        n, c = int(rng.choice([0, 0, 1, 3, 6, 12])), int(rng.integers(100, 1000))
+        t0, t = linear(0, c), linear(n, c)
+        table.observe(n, c, (1.2 * t0 + 1.5 * (t - t0)) * rng.uniform(0.97, 1.03))
+    assert table.level == pytest.approx(1.2, rel=0.03)
+    assert table.tree_scale == pytest.approx(1.25, rel=0.05)  # relative to the level: 1.5 / 1.2
+    c = 500
+    want = (1.2 * linear(0, c) + 1.5 * (linear(8, c) - linear(0, c))) / (1.2 * linear(0, c))
+    assert table.relative(8, c) == pytest.approx(want, rel=0.02)
+    assert table.seconds_for(0, c) == pytest.approx(1.2 * linear(0, c), rel=0.03)
+    back = CostModel.from_json(json.loads(json.dumps(table.to_json())))
+    assert (back.level, back.tree_scale, back.observed) == (table.level, table.tree_scale, 600)
+    assert back.relative(8, c) == pytest.approx(table.relative(8, c))
+    assert (table.table_only().level, table.table_only().tree_scale) == (1.0, 1.0)
+    for _ in range(2000):  # absurd timings are bounded
+        table.observe(4, 200, 100.0)
+        table.observe(0, 200, 1e-6)
+    assert table.level == pytest.approx(0.25) and table.tree_scale == pytest.approx(4.0)
+    table.observe(2, 200, float("nan"))  # not a timing: ignored
+    assert table.observed == 4600
+
+
+def test_cost_aware_decoding_feeds_the_cost_model_and_replays_do_not():
+    from specstore.runtime.bench.simulate import Reference, replay_one
+
+    model, tok = tiny_lm()
+    cost = CostModel([0, 8], [0], [[1.0, 1.2]], {})
+    drafter = make_drafter("pld", cost=cost)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    out = decode(model, prompt, drafter, 12)
+    assert cost.observed == out.stats.steps - 1  # every step after the prefill was timed and seen
+    assert cost.level < 0.9  # a tiny model's steps take far less than the table's second: the level falls
+    before = (cost.observed, cost.level, cost.tree_scale)
+    replay_one(make_drafter("pld", cost=cost), Reference(prompt, out.token_ids), 12, None)
+    assert (cost.observed, cost.level, cost.tree_scale) == before

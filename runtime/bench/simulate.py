@@ -66,6 +66,8 @@ class ReplayVerifier:
     ``simulate_one``); a path that runs past it is accepted up to the end (the end is an EOS
     there, which the loop cuts at) and gets the bonus -1, never committed."""
 
+    timed = False  # its steps take no real time: the decode loop gives drafters no timing to learn from
+
     def __init__(self, ref: Reference, states: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.full = [*ref.prompt_ids, *ref.output_ids]
         self.states = states

@@ -29,7 +29,8 @@ class DecodeState:
     ``tokens[-2]``, the last token it processed (the DReSD query). ``last_logits``: [V], the
     target's logits at that same position (they chose ``tokens[-1]`` under greedy decoding).
     ``budget``: how many draft tokens along one path can still be used (new-token limit and
-    context limit both applied).
+    context limit both applied). ``verify_s``: in ``observe``, the seconds the step's
+    verification took (None where it was not timed: the simulator's replay).
     """
 
     tokens: list[int]
@@ -38,6 +39,7 @@ class DecodeState:
     last_logits: torch.Tensor | None = None
     budget: int = 0
     step: int = 0
+    verify_s: float | None = None
 
     @property
     def generated(self) -> list[int]:

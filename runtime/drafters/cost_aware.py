@@ -154,6 +154,7 @@ class CostAwareDrafter:
         self.calibrator = calibrator or Calibrator()
         self.name, self.lossless = inner.name, getattr(inner, "lossless", True)
         self.num_kept = self.num_proposed = 0
+        self.context = 0  # the context the last tree was pruned at
 
     @property
     def acceptance(self):
@@ -170,11 +171,14 @@ class CostAwareDrafter:
     def propose(self, state: DecodeState) -> DraftTree:
         tree = clip_depth(self.inner.propose(state), max(state.budget, 0))
         self.num_proposed += len(tree)
+        self.context = len(state.tokens)
         if len(tree):
-            tree = prune(tree, self.calibrator.probabilities(tree), self.cost, len(state.tokens))
+            tree = prune(tree, self.calibrator.probabilities(tree), self.cost, self.context)
         self.num_kept += len(tree)
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         self.calibrator.update(tree, result)
+        if state.verify_s is not None and hasattr(self.cost, "observe"):  # the cost model follows the machine
+            self.cost.observe(len(tree), self.context, state.verify_s)
         self.inner.observe(state, tree, result)
