@@ -32,8 +32,9 @@ def _add_store(p: argparse.ArgumentParser) -> None:
                    "SDKs read it (AWS_REGION, AWS_ENDPOINT_URL, ...)")
 
 
-def _add_cost_options(p: argparse.ArgumentParser, both: str | None = None) -> None:
-    """``--cost-aware`` (with ``both`` among its choices when ``both`` explains it) and ``--refresh-cost``."""
+def _add_cost_options(p: argparse.ArgumentParser, both: str | None = None, online: bool = True) -> None:
+    """``--cost-aware`` (with ``both`` among its choices when ``both`` explains it), ``--refresh-cost``
+    and, for commands that decode (``online``), ``--cost-online``."""
     from specstore.runtime.drafters import registry
 
     modes = [*registry.COST_AWARE_MODES, "both"] if both else list(registry.COST_AWARE_MODES)
@@ -41,6 +42,12 @@ def _add_cost_options(p: argparse.ArgumentParser, both: str | None = None) -> No
                    help=registry.COST_AWARE_HELP + (both or "") + f" (default {registry.COST_AWARE_DEFAULT})")
     p.add_argument("--refresh-cost", action="store_true",
                    help="measure the verification cost model again (else cached per model, device, dtype, torch)")
+    if not online:
+        return
+    p.add_argument("--cost-online", default="on", choices=["on", "off"],
+                   help="on (default): correct the measured cost model from the verification steps decoding times, so it "
+                   "follows the machine's load and clocks (docs/decoding.md); off: the cached table as measured, so that "
+                   "trees depend on the text alone (reproducible)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -196,7 +203,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="dtype whose verification cost predicts the speed (the bench's; default bfloat16)")
     p.add_argument("--device", default="auto", help="device whose verification cost predicts the speed (default auto)")
-    _add_cost_options(p)
+    _add_cost_options(p, online=False)  # a replay takes no real time: nothing to correct
+    p.add_argument("--by-category", action="store_true",
+                   help="also print each method's MAT per question category (the JSON always has it: mat_by_category)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cmd_simulate)
 

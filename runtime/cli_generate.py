@@ -34,7 +34,8 @@ def run_generate(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # the terminal shows the answer, not weight-loading bars
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     options = registry.options_from_args(args.method, args, loaded)
-    cost = registry.cost_model_for(loaded, [args.method], args.cost_aware, refresh=args.refresh_cost, quiet=args.json)
+    cost = registry.cost_model_for(loaded, [args.method], args.cost_aware, refresh=args.refresh_cost, quiet=args.json,
+                                   online=args.cost_online == "on")
     engine = Engine(loaded, store, refs, method=args.method, drafter_options={args.method: options}, dense=method.dense,
                     refresh_seconds=None, cost=cost, cost_aware=args.cost_aware)
     reference, scores = engine.route(args.prompt) if refs else (None, None)

@@ -61,7 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # each method's own flags (ReSpec's thresholds, its draft model) apply whenever a request uses it
     options = {m: registry.options_from_args(m, args, loaded) for m in registry.available()}
     overlay = ServedOverlay(args.overlay_tokens, prompts=args.overlay_prompts) if args.overlay == "on" else None
-    cost = registry.cost_model_for(loaded, registry.available(), args.cost_aware, refresh=args.refresh_cost, quiet=False)
+    cost = registry.cost_model_for(loaded, registry.available(), args.cost_aware, refresh=args.refresh_cost, quiet=False,
+                                   online=args.cost_online == "on")
     engine = Engine(loaded, store, refs, method=args.method, drafter_options=options, prefetch=True,
                     refresh_seconds=args.refresh_seconds, log=args.log, overlay=overlay, cost=cost, cost_aware=args.cost_aware)
     defaults = Defaults(args.max_new_tokens, args.temperature, args.top_p, args.seed)

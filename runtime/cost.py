@@ -54,6 +54,7 @@ class CostModel:
     level: float = 1.0  # online: measured steps of plain decoding over the table's (observe)
     tree_scale: float = 1.0  # online: what a step's tree part costs over the table's (observe)
     observed: int = 0  # steps observed
+    online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     fit: list[tuple[float, float]] = field(init=False, default_factory=list)
     _sums: list[float] = field(init=False, default_factory=lambda: [0.0, 0.0, 0.0, 0.0], repr=False)
 
@@ -82,7 +83,7 @@ class CostModel:
         extra over plain decoding (relative) to the table's. Both start where they are (1 for a
         measured table) as ``ONLINE_PRIOR`` steps' worth, and every step, those included, fades
         with a memory of ``ONLINE_MEMORY`` steps; each stays within [1/4, 4]."""
-        if not np.isfinite(seconds) or seconds <= 0:
+        if not self.online or not np.isfinite(seconds) or seconds <= 0:
             return
         t0 = float(self.table_seconds(0, context))
         if self.observed == 0:  # the table as ONLINE_PRIOR steps that agree with it (fading like any step)
@@ -137,7 +138,7 @@ class CostModel:
         return cls([int(n) for n in data["nodes"]], [int(c) for c in data["contexts"]],
                    [[float(s) for s in row] for row in data["seconds"]], dict(data["key"]),
                    level=float(data.get("level", 1.0)), tree_scale=float(data.get("tree_scale", 1.0)),
-                   observed=int(data.get("observed", 0)))
+                   observed=int(data.get("observed", 0)), online=bool(data.get("online", True)))
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> CostModel:

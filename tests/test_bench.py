@@ -17,7 +17,7 @@ from specstore.runtime.models import load_model
 from tests.helpers import make_tiny_model
 
 # a CPU-like verification cost: 1.05x a plain step at 1 node, 1.3x at 8, 3x at 64
-COST = CostModel([0, 1, 8, 64], [0], [[0.01, 0.0105, 0.013, 0.03]], {"test": True})
+COST = CostModel([0, 1, 8, 64], [0], [[0.01, 0.0105, 0.013, 0.03]], {"test": True}, online=False)  # trees from the text alone
 AWARE = ["pld+cost", "rest+cost", "dresd+cost", "respec+cost"]
 PROMPTS = ["def add(a, b):", "Name three colours.", "Write a haiku about rain.", "Sort a list in Python."]
 

@@ -362,6 +362,9 @@ def test_online_corrections_follow_the_measured_steps():
     assert table.level == pytest.approx(0.25) and table.tree_scale == pytest.approx(4.0)
     table.observe(2, 200, float("nan"))  # not a timing: ignored
     assert table.observed == 4600
+    frozen = CostModel.from_json(json.loads(json.dumps(table.table_only().to_json())) | {"online": False})
+    frozen.observe(4, 200, 100.0)  # --cost-online off: the table as measured
+    assert (frozen.level, frozen.tree_scale, frozen.observed) == (1.0, 1.0, 0)
 
 
 def test_cost_aware_decoding_feeds_the_cost_model_and_replays_do_not():

@@ -170,10 +170,11 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
               turns: int = 1, max_new_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
               dtype: str = "bfloat16", device: str = "auto", options: dict | None = None,
               progress: bool = True, command: str = "", cost_aware: str = COST_AWARE_DEFAULT, refresh_cost: bool = False,
-              cost=None) -> BenchResult:
+              cost=None, cost_online: bool = True) -> BenchResult:
     """``cost_aware``: on, off or both (module cost_aware.py; ``both`` runs each cost-aware method
     with and without, side by side); ``cost``: a ready cost.CostModel (else the cached one of the
-    loaded model, measured when missing or ``refresh_cost``)."""
+    loaded model, measured when missing or ``refresh_cost``; ``cost_online``: whether decoding
+    corrects it, cost.CostModel.observe). The result stores the model as it ended."""
     options = options or {}
     methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs, first: it is the reference
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
@@ -197,6 +198,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
         from specstore.runtime.cost import load_cost_model
 
         cost = load_cost_model(lm.model, lm.info, refresh=refresh_cost, quiet=not progress)
+        cost.online = cost_online
     drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=cost if aware else None, **options.get(m, {})), label)
                 for label, (m, aware) in labels.items() if m not in HF_METHODS}
     methods = list(labels)
@@ -283,7 +285,7 @@ def run_bench_command(args) -> int:
                        limit=args.limit, skip=args.skip, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, model=args.model, dtype=args.dtype, device=args.device,
                        options=parse_options(args.option), progress=True, cost_aware=args.cost_aware,
-                       refresh_cost=args.refresh_cost, command="specstore " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+                       refresh_cost=args.refresh_cost, cost_online=getattr(args, "cost_online", "on") == "on", command="specstore " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     from specstore.runtime.bench.report import markdown_table
 
     print(markdown_table(result, "bench"))

@@ -168,12 +168,25 @@ def replay(make: Callable[[], object], refs: list[Reference], max_new_tokens: in
             for r in refs]
 
 
+def _ar_records(result: BenchResult) -> list:
+    return [r for r in result.prompts if r.method == "ar" and r.prompt_ids is not None and r.output_ids is not None]
+
+
 def references_from(result: BenchResult) -> list[Reference]:
-    refs = [Reference(r.prompt_ids, r.output_ids) for r in result.prompts
-            if r.method == "ar" and r.prompt_ids is not None and r.output_ids is not None]
+    refs = [Reference(r.prompt_ids, r.output_ids) for r in _ar_records(result)]
     if not refs:
         raise SpecstoreError("the bench result holds no ar references (prompt_ids/output_ids of method ar)")
     return refs
+
+
+def mat_by_category(stats: list[DecodeStats], categories: list[str]) -> dict[str, float]:
+    """MAT over the replays of each question category (in order of first appearance)."""
+    sums: dict[str, list[int]] = {}
+    for s, c in zip(stats, categories, strict=True):
+        acc = sums.setdefault(c, [0, 0])
+        acc[0] += s.num_tokens
+        acc[1] += s.steps
+    return {c: t / n if n else 0.0 for c, (t, n) in sums.items()}
 
 
 def _value(text: str):
@@ -206,6 +219,7 @@ def run_simulate_command(args) -> int:
 
     bench = load_result(args.references)
     refs = references_from(bench)
+    categories = [r.category or "-" for r in _ar_records(bench)]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     base = parse_options(args.option)
     sweeps = {m: {k: [_value(x) for x in str(v).split(",")] if not isinstance(v, list) else v for k, v in o.items()}
@@ -238,7 +252,8 @@ def run_simulate_command(args) -> int:
             group.append({"method": m, "options": opts, "cost_aware": with_cost is not None,
                           "mat": tokens / steps if steps else 0.0,
                           "drafted_per_step": drafted / max(steps - len(sims), 1),
-                          "predicted_speedup": predicted_speedup(reps, cost), "num_prompts": len(sims)})
+                          "predicted_speedup": predicted_speedup(reps, cost), "num_prompts": len(sims),
+                          "mat_by_category": mat_by_category(sims, categories)})
         group.sort(key=lambda r: -(r["predicted_speedup"] or 0.0))  # a sweep: best predicted shape first
         for rank, r in enumerate(group, start=1):
             r["rank"] = rank
@@ -252,4 +267,9 @@ def run_simulate_command(args) -> int:
             pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
             print(f"| {r['method']} | {json.dumps(r['options'])} | {'on' if r['cost_aware'] else 'off'} | {r['mat']:.3f} "
                   f"| {r['drafted_per_step']:.1f} | {pred} | {r['rank']} |")
+        if getattr(args, "by_category", False):
+            cats = list(dict.fromkeys(categories))
+            print("\n| method | options | " + " | ".join(cats) + " |\n|---|---|" + "---|" * len(cats))
+            for r in rows:
+                print(f"| {r['method']} | {json.dumps(r['options'])} | " + " | ".join(f"{r['mat_by_category'][c]:.3f}" for c in cats) + " |")
     return 0

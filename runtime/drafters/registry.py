@@ -135,15 +135,18 @@ def uses_cost(method: str, mode: str = COST_AWARE_DEFAULT) -> bool:
 
 
 def cost_model_for(loaded, methods: Iterable[str], mode: str = COST_AWARE_DEFAULT, *, refresh: bool = False,
-                   quiet: bool = True):
+                   quiet: bool = True, online: bool = True):
     """The verification cost model of ``loaded`` (load_model's result; cached, measured when
     missing or on ``refresh``: cost.load_cost_model) when any of ``methods`` sizes its trees by
-    cost under ``--cost-aware mode``; None, with nothing measured, when none does."""
+    cost under ``--cost-aware mode``; None, with nothing measured, when none does. ``online``:
+    whether decoding corrects it (``CostModel.observe``; the CLI's ``--cost-online``)."""
     if not any(uses_cost(m, mode) for m in methods):
         return None
     from specstore.runtime.cost import load_cost_model
 
-    return load_cost_model(loaded.model, loaded.info, refresh=refresh, quiet=quiet)
+    cost = load_cost_model(loaded.model, loaded.info, refresh=refresh, quiet=quiet)
+    cost.online = online
+    return cost
 
 
 def make_drafter(method: str, datastore=None, *, cost=None, **options) -> Drafter:
