@@ -32,20 +32,13 @@ def _big_corpus(folder: Path, num_files: int = 400) -> Path:
     return folder
 
 
-def test_killed_build_leaves_previous_version_intact(tiny_model_dir, tmp_path):
-    store = Store(tmp_path / "s", create=True)
-    first = build(store, "k", [str(CORPUS_DIR / "instruct.jsonl")], model=tiny_model_dir, **OPTIONS).manifest
-    catalogue_before = [(v.version, v.build_id) for v in store.versions("k")]
-    corpus = _big_corpus(tmp_path / "big")
-    cmd = [sys.executable, "-m", "specstore.runtime.cli", "build", "--store", str(store.root), "--name", "k",
-           "--corpus", str(corpus), "--format", "code-dir", "--model", tiny_model_dir, "--pca-dims", "8", "--batch-tokens", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ | {"HF_HUB_OFFLINE": "1"})
-    files_root = store.root / "_files" / "k"
+def _kill_while_embedding(cmd: list[str], files_root: Path, batches: int, env: dict) -> None:
+    """Run the build ``cmd`` and SIGKILL it once ``batches`` embedded batches are staged."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            staged = [p for p in files_root.glob("*/_staging/*.npz")]
-            if len(staged) >= 3:  # it has embedded and written several batches
+            if len(list(files_root.glob("*/_staging/embed-*.npz"))) >= batches:
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the build finished before it could be killed"
@@ -54,6 +47,17 @@ def test_killed_build_leaves_previous_version_intact(tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_killed_build_leaves_previous_version_intact(tiny_model_dir, tmp_path):
+    store = Store(tmp_path / "s", create=True)
+    first = build(store, "k", [str(CORPUS_DIR / "instruct.jsonl")], model=tiny_model_dir, **OPTIONS).manifest
+    catalogue_before = [(v.version, v.build_id) for v in store.versions("k")]
+    corpus = _big_corpus(tmp_path / "big")
+    cmd = [sys.executable, "-m", "specstore.runtime.cli", "build", "--store", str(store.root), "--name", "k",
+           "--corpus", str(corpus), "--format", "code-dir", "--model", tiny_model_dir, "--pca-dims", "8", "--batch-tokens", "64"]
+    files_root = store.root / "_files" / "k"
+    _kill_while_embedding(cmd, files_root, 3, os.environ | {"HF_HUB_OFFLINE": "1"})  # several batches embedded and written
     assert len(list(files_root.iterdir())) == 2  # the killed build's files exist ...
     assert [(v.version, v.build_id) for v in store.versions("k")] == catalogue_before  # ... but are not visible
     assert store.resolve("k").version == 1
@@ -86,20 +90,8 @@ def test_killed_build_resumes_from_its_staged_batches(tiny_model_dir, tmp_path):
            "--corpus", str(corpus), "--format", "code-dir", "--model", tiny_model_dir, "--pca-dims", "8", "--batch-tokens", "64",
            "--dtype", "float32"]
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     files_root = store.root / "_files" / "r"
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if len(list(files_root.glob("*/_staging/embed-*.npz"))) >= 5:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the build finished before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _kill_while_embedding(cmd, files_root, 5, env)
     (killed,) = [p.name for p in files_root.iterdir()]
     staged = sorted((files_root / killed / "_staging").glob("embed-*.npz"))
     with np.load(staged[0]) as first:
