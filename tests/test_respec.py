@@ -409,3 +409,19 @@ def test_default_model_pipeline_datastore_respec_identical_to_ar_float32(tmp_pat
             result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=48)
             assert result.token_ids == ar.token_ids, (options, prompt)
             assert result.stats.mat > 1.0 and result.stats.num_relaxed == 0
+
+
+def test_cost_signal_tells_shared_nodes_and_long_matches_apart():
+    """A node two candidates pass through, and one whose candidate continues a longer context
+    match, fall in other calibration buckets than a lone, short-match node of the same source
+    and score (drafters/respec.py ``_add_signals``)."""
+    drafter = ReSpecDrafter(datastore=None)
+    chosen = [Candidate(("suffix", 0), [1, 2, 3], match=9), Candidate(("suffix", 5), [1, 2, 7], match=9),
+              Candidate(("suffix", 9), [4, 5], match=2)]
+    tree = DraftTree.from_paths([c.tokens for c in chosen])
+    drafter._add_signals(tree, chosen)
+    by_token = {int(t): int(b) for t, b in zip(tree.tokens.tolist(), tree.node_data["bucket"].tolist(), strict=True)}
+    assert by_token[1] == by_token[2]  # both shared by two candidates with a 9-token match
+    assert by_token[3] == by_token[7] != by_token[1]  # one candidate each: another support cell
+    assert by_token[4] == by_token[5] != by_token[3]  # one candidate, a 2-token match: another match cell
+    assert np.allclose(tree.node_data["prior"], 0.5)  # a new key's score 1: prior 1 / (1 + 1)

@@ -200,8 +200,11 @@ def test_pool_keys_each_source_by_offset_minus_context_length(kind):
     assert by_source["context"][0].tokens == [0, 6, 2]
     suffix_want = ranked_drafts(suffix_sample(suffix, tokens, 3, max_span=16, min_span=2, max_matches=64), 2)
     assert [(c.key, c.tokens) for c in by_source["suffix"]] == [(("suffix", d.offset - len(tokens)), d.tokens) for d in suffix_want]
+    span = suffix_sample(suffix, tokens, 3, max_span=16, min_span=2, max_matches=64).match_length
+    assert span >= 2 and all(c.match == span for c in by_source["suffix"])  # the suffix they continue (cost-aware signal)
     dense_want = source.drafts(source.search(state.last_hidden, tokens[-1], 2), 3)
     assert [(c.key, c.tokens) for c in by_source["dense"]] == [(("dense", d.offset - len(tokens)), d.tokens) for d in dense_want]
+    assert all(c.match == 0 for c in by_source["dense"])
     assert all(by_source.values())  # every source found something
     assert [c.source for c in found[:3]] == ["context", "suffix", "dense"]  # interleaved by rank, each source's best first
     # without a datastore, the context alone; without a dense index, no dense candidates

@@ -38,7 +38,8 @@ own EMA scores like every key); nodes of overlay candidates are marked ``node_da
 and tallied in ``overlay_use``.
 
 Cost-aware sizing (drafters/cost_aware.py, on with a cost model): each node's signal is its
-best candidate's source and EMA score; the registry then widens the proposal (every candidate,
+best candidate's source, EMA score and context match, and how many chosen candidates pass
+through it (``cost_signal="source"``: source and score only); the registry then widens the proposal (every candidate,
 full length up to 16 tokens, 64 nodes: registry.py's ``cost_options``) and the pruner decides how much
 of it is worth verifying, so a long context match earns its full length.
 
@@ -65,7 +66,9 @@ from specstore.runtime.verify import VerifyResult
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
 SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3}
 SCORE_EDGES = (0.75, 1.5, 3.0, 6.0)  # EMA score bins of the cost-aware signal
-FALLBACK_BUCKET = 100  # cost-aware buckets of fallback drafts start here
+MATCH_EDGES = (2, 4, 8)  # bins of the context suffix a candidate continues (its ``match``)
+SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
+FALLBACK_BUCKET = 1000  # cost-aware buckets of fallback drafts start here
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,9 @@ class ReSpecConfig:
     # score, as prompt lookup itself does, so that a long copy from the prompt drafts whole
     # (0: the length rule above for them too)
     context_length: int = 16
+    # cost-aware signal per node (_add_signals): "full" source, score, context match and support;
+    # "source" source and score only (the signal before 2026-12-02, for ablations)
+    cost_signal: str = "full"
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -99,6 +105,8 @@ class ReSpecConfig:
             raise ValueError("max_candidates, max_nodes and draft_length must be >= 1")
         if self.context_length < 0:
             raise ValueError(f"context_length must be >= 0, got {self.context_length}")
+        if self.cost_signal not in ("full", "source"):
+            raise ValueError(f"cost_signal must be full or source, got {self.cost_signal!r}")
 
 
 def entropy(logits: torch.Tensor) -> float:
@@ -194,19 +202,29 @@ class ReSpecDrafter:
         return tree
 
     def _add_signals(self, tree: DraftTree, chosen) -> None:
-        """The cost-aware signal (drafters/cost_aware.py): per node, the source and EMA score of
-        the best-scored candidate through it; ``prior`` score / (score + 1)."""
+        """The cost-aware signal (drafters/cost_aware.py): per node, the source, EMA score and
+        context match (``Candidate.match``, binned by MATCH_EDGES) of the best-scored candidate
+        through it, and how many chosen candidates pass through it (agreeing sources and threads
+        make a token likelier, as REST's and DReSD's shares do); ``prior`` score / (score + 1)."""
         from specstore.runtime.drafters.cost_aware import bucketize
 
-        best = np.full(len(tree), -1.0)
-        source = np.zeros(len(tree), dtype=np.int64)
+        n = len(tree)
+        best = np.full(n, -1.0)
+        source = np.zeros(n, dtype=np.int64)
+        match = np.zeros(n, dtype=np.int64)
+        support = np.zeros(n, dtype=np.int64)
         for c, path in zip(chosen, tree.paths, strict=True):
             s = self.score(c.key)
+            support[path] += 1
             for node in path:
                 if s > best[node]:
-                    best[node], source[node] = s, SOURCE_INDEX.get(c.source, len(SOURCE_INDEX))
+                    best[node], source[node], match[node] = s, SOURCE_INDEX.get(c.source, len(SOURCE_INDEX)), c.match
         best = np.maximum(best, 0.0)
-        tree.node_data["bucket"] = source * (len(SCORE_EDGES) + 1) + bucketize(best, SCORE_EDGES)
+        if self.config.cost_signal == "source":
+            support, match = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        cell = (np.clip(support, 1, SUPPORT_CAP) - 1) * (len(MATCH_EDGES) + 1) + bucketize(match, MATCH_EDGES)
+        cell = cell * (len(SOURCE_INDEX) + 1) + source
+        tree.node_data["bucket"] = cell * (len(SCORE_EDGES) + 1) + bucketize(best, SCORE_EDGES)
         tree.node_data["prior"] = best / (best + 1.0)
 
     def stats(self) -> dict:

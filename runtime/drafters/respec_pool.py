@@ -43,7 +43,9 @@ SOURCES = ("context", "overlay", "suffix", "dense")
 class Candidate:
     key: tuple[str, int]
     tokens: list[int]  # draft tokens after the pending token
-    match: int = 0  # context candidates: the length of the n-gram they continue (pending token included)
+    # the length of the context suffix they continue (pending token included): context candidates
+    # their n-gram, suffix-array and overlay ones the longest suffix found; dense ones 0
+    match: int = 0
 
     @property
     def source(self) -> str:
@@ -64,8 +66,9 @@ class PoolConfig:
     context_full_first: bool = True  # context continuations of full length first (False: most recent first)
 
 
-def _keyed(source: str, found: list[Continuation], size: int) -> list[Candidate]:
-    return [Candidate((source, c.offset - size), c.tokens, c.match) for c in found]
+def _keyed(source: str, found: list[Continuation], size: int, match: int | None = None) -> list[Candidate]:
+    """``match``: the length of the context suffix they continue, for all of them (suffix sources)."""
+    return [Candidate((source, c.offset - size), c.tokens, c.match if match is None else match) for c in found]
 
 
 class CandidatePool:
@@ -98,11 +101,11 @@ class CandidatePool:
         if self.overlay is not None and cfg.num_overlay > 0:
             sample = suffix_sample(self.overlay, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
                                    max_matches=cfg.max_matches)
-            per_source.append(_keyed("overlay", ranked_drafts(sample, cfg.num_overlay) if sample else [], size))
+            per_source.append(_keyed("overlay", ranked_drafts(sample, cfg.num_overlay), size, sample.match_length) if sample else [])
         if self.suffix is not None and cfg.num_suffix > 0:
             sample = suffix_sample(self.suffix, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
                                    max_matches=cfg.max_matches)
-            per_source.append(_keyed("suffix", ranked_drafts(sample, cfg.num_suffix) if sample else [], size))
+            per_source.append(_keyed("suffix", ranked_drafts(sample, cfg.num_suffix), size, sample.match_length) if sample else [])
         if self.dense is not None and state.last_hidden is not None and cfg.num_dense > 0:
             found = self.dense.search(state.last_hidden, int(state.tokens[-1]), cfg.num_dense)
             per_source.append(_keyed("dense", self.dense.drafts(found, length), size))
