@@ -56,7 +56,7 @@ class CostModel:
     observed: int = 0  # steps observed
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     fit: list[tuple[float, float]] = field(init=False, default_factory=list)
-    _sums: list[float] = field(init=False, default_factory=lambda: [0.0, 0.0, 0.0, 0.0], repr=False)
+    _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
 
     def __post_init__(self) -> None:
         if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
@@ -86,7 +86,7 @@ class CostModel:
         if not self.online or not np.isfinite(seconds) or seconds <= 0:
             return
         t0 = float(self.table_seconds(0, context))
-        if self.observed == 0:  # the table as ONLINE_PRIOR steps that agree with it (fading like any step)
+        if self._sums is None:  # the current level and scale as ONLINE_PRIOR steps (fading like any step)
             x8 = max(float(self.table_seconds(8, context)) / t0 - 1.0, 1e-3)
             self._sums = [ONLINE_PRIOR * self.level, ONLINE_PRIOR, ONLINE_PRIOR * self.tree_scale * x8 * x8, ONLINE_PRIOR * x8 * x8]
         decay = 1.0 - 1.0 / ONLINE_MEMORY
@@ -119,8 +119,11 @@ class CostModel:
         return float(out) if out.ndim == 0 else out
 
     def relative(self, nodes, context: int | None = None):
-        """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context."""
-        return self.seconds_for(nodes, context) / self.seconds_for(0, context)
+        """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context
+        (``level`` cancels)."""
+        t0 = self.table_seconds(0, context)
+        out = 1.0 + self.tree_scale * (np.asarray(self.table_seconds(nodes, context)) / t0 - 1.0)
+        return float(out) if np.ndim(out) == 0 else out
 
     def to_json(self) -> dict:
         out = {"version": VERSION, **asdict(self)}

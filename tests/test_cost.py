@@ -356,6 +356,8 @@ def test_online_corrections_follow_the_measured_steps():
     assert (back.level, back.tree_scale, back.observed) == (table.level, table.tree_scale, 600)
     assert back.relative(8, c) == pytest.approx(table.relative(8, c))
     assert (table.table_only().level, table.table_only().tree_scale) == (1.0, 1.0)
+    back.observe(0, 200, linear(0, 200))  # a stored model goes on learning from where it was
+    assert np.isfinite(back.tree_scale) and back.tree_scale == pytest.approx(table.tree_scale, rel=1e-6)
     for _ in range(2000):  # absurd timings are bounded
         table.observe(4, 200, 100.0)
         table.observe(0, 200, 1e-6)

@@ -179,6 +179,6 @@ class CostAwareDrafter:
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         self.calibrator.update(tree, result)
-        if state.verify_s is not None and hasattr(self.cost, "observe"):  # the cost model follows the machine
+        if state.verify_s is not None:  # the cost model follows the machine
             self.cost.observe(len(tree), self.context, state.verify_s)
         self.inner.observe(state, tree, result)
