@@ -32,7 +32,9 @@ first proposes, and after all ``--count`` proposes (by then every approximate in
 reach is read); the version's bytes per token on disk (table, files, indexes); and dresd's
 ``propose`` latency (the whole drafter step: normalise the query, filtered search, continuations
 from the stream, the trie) per query, p50/p90/p99 over all of them and over the second half
-(indexes loaded). Queries are real contexts: position p's hidden state with the token after it
+(indexes loaded). ``--prefetch`` opens as ``serve`` does (the mapped pages and every approximate
+index read in a background thread after the open) and waits for that before the proposes, so
+no propose reads an index; its time and the memory after it are reported. Queries are real contexts: position p's hidden state with the token after it
 as the pending token, so the next-token filter sees the blocks decoding meets.
 """
 
@@ -117,9 +119,15 @@ def measure(args) -> None:
     store = Store(args.store)
     before = memory_kib()
     t = time.perf_counter()
-    ds = Datastore.open(store, args.ref)
+    ds = Datastore.open(store, args.ref, prefetch=args.prefetch)
     open_s = time.perf_counter() - t
     opened = memory_kib()
+    prefetch_s = None
+    if args.prefetch:  # what a server does after the open (serve opens so): wait for it, then measure
+        for thread in ds.prefetching:
+            thread.join()
+        prefetch_s = round(time.perf_counter() - t - open_s, 3)
+        prefetched = memory_kib()
     t = time.perf_counter()
     drafter = DresdDrafter.from_datastore(ds)
     setup_s = time.perf_counter() - t
@@ -132,8 +140,10 @@ def measure(args) -> None:
     dense = ds.manifest.dense
     report = {"ref": ds.ref, "tokens": n, "rows": dense.num_rows if dense else None,
               "ann_blocks": len(dense.ann_blocks) if dense else None, "ann_threshold": dense.ann_threshold if dense else None,
-              "open_s": round(open_s, 3), "drafter_setup_s": round(setup_s, 3),
+              "open_s": round(open_s, 3), "prefetch": args.prefetch, "prefetch_s": prefetch_s, "drafter_setup_s": round(setup_s, 3),
               "anon_bytes_per_token": {"open": anon(opened), "drafter": anon(ready)}, **disk_bytes(store, ds.manifest)}
+    if args.prefetch:
+        report["anon_bytes_per_token"]["prefetched"] = anon(prefetched)
     times = []
     for i in range(len(hidden)):
         ctx = [int(x) for x in contexts[i] if x >= 0]
@@ -234,6 +244,9 @@ def main() -> None:
     m.add_argument("--ref", required=True)
     m.add_argument("--queries", required=True)
     m.add_argument("--threads", type=int, default=1)
+    m.add_argument("--prefetch", action="store_true",
+                   help="open as serve does (Datastore.open(prefetch=True): pages and every approximate index read in the "
+                        "background) and wait for it before the proposes")
     m.add_argument("--out")
     y = sub.add_parser("synthetic", help="one synthetic block of each size, drawn from a real version's largest block")
     y.add_argument("--store", required=True)

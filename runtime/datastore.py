@@ -62,6 +62,7 @@ class Datastore:
     continuation_lens: np.ndarray | None = None
     dense: DenseIndex | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    prefetching: list = field(default_factory=list)  # open(prefetch=True)'s background threads
 
     @property
     def manifest(self) -> Manifest:
@@ -98,8 +99,9 @@ class Datastore:
         ``dense``: load the tokens table and build the dense index (DReSD needs it, REST does
         not), when the version has one (a sparse version opens without it). ``device``: where the
         dense index searches. ``prefetch``: map the suffix index's pages in a background thread
-        after the open (a long-lived server: its first searches then pay no page faults); the
-        open itself still reads only headers.
+        after the open (a long-lived server: its first searches then pay no page faults), and a
+        compact dense index's pages and approximate indexes (``DenseIndex.prefetch``); the
+        threads are ``prefetching``; the open itself still reads only headers.
         """
         store = store if isinstance(store, Store) else Store(store)
         record = store.resolve(ref)
@@ -119,7 +121,9 @@ class Datastore:
         if dense and ds.has_dense:
             ds.load_dense()
         if prefetch:
-            suffix.prefetch()
+            ds.prefetching = suffix.prefetch()
+            if ds.dense is not None and ds.manifest.dense is not None:  # a compact version's mapped rows and indexes
+                ds.prefetching.append(ds.dense.prefetch())
         return ds
 
     def load_dense(self) -> DenseIndex:

@@ -125,6 +125,12 @@ class AnnIndexes:
         self.loaded: dict[int, object | None] = {}
         self._lock = threading.Lock()
 
+    def load_all(self) -> int:
+        """Read every block's index now instead of on its first search (``Datastore.open``'s
+        ``prefetch``: a long-lived server's searches then never wait for one); returns how many
+        are usable. Resident memory grows by the indexes' bytes (about 17 B per indexed row)."""
+        return sum(self(t) is not None for t in sorted(self.tokens))
+
     def __call__(self, token: int):
         if token not in self.tokens:
             return None

@@ -86,6 +86,27 @@ def test_search_meets_recall_and_is_exact_below_the_threshold(tmp_path):
     assert np.mean(recall["ann"]) >= 0.85 and np.mean(recall["int8"]) >= 0.9
 
 
+def test_prefetch_reads_every_index_in_the_background_and_changes_no_result(tmp_path):
+    store, manifest, _, _ = skewed_store(tmp_path, ann_threshold=100)
+    assert len(manifest.dense.ann_blocks) >= 2
+    cold = Datastore.open(store, "code", INFO)
+    assert cold.prefetching == [] and cold.dense._ann.loaded == {}  # nothing read until a search asks
+    warm = Datastore.open(store, "code", INFO, prefetch=True)
+    names = sorted(t.name for t in warm.prefetching)
+    assert names == ["specstore-dense-prefetch", "specstore-prefetch"]
+    for thread in warm.prefetching:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    loaded = warm.dense._ann.loaded
+    assert sorted(loaded) == sorted(manifest.dense.ann_blocks) and all(v is not None for v in loaded.values())
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        query = torch.from_numpy(warm.normaliser.apply(rng.normal(size=(1, 16)))[0])
+        for token in range(6):
+            a, b = cold.dense.search(query, K, next_token=token), warm.dense.search(query, K, next_token=token)
+            assert a.rows.tolist() == b.rows.tolist() and np.array_equal(a.scores, b.scores)
+
+
 def test_open_maps_the_files_without_reading_the_vectors(tmp_path, capsys):
     store, manifest, _, _ = skewed_store(tmp_path, ann_threshold=500)
     folder = store.files_dir("code", manifest.build_id)
