@@ -89,7 +89,11 @@ def make_queries(args) -> None:
 
 
 def disk_bytes(store, manifest) -> dict:
-    files = sum(info.num_bytes for info in manifest.files.values())
+    """The version's bytes on disk: its tokens table's folder (data files, Lance's manifests and
+    transaction files) and its files folder (the manifest's checksummed files outside the table;
+    the manifest also lists the table's data files, which the folder's size already counts)."""
+    table_prefix = f"{manifest.tokens_table}.lance/" if manifest.tokens_table else None
+    files = sum(info.num_bytes for rel, info in manifest.files.items() if not (table_prefix and rel.startswith(table_prefix)))
     table = 0
     if manifest.tokens_table:
         folder = Path(store.table_uri(manifest.tokens_table))

@@ -152,17 +152,10 @@ class DenseIndex:
     def _scan(self, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact top ``k`` of the block: (offsets into it, scores), best first."""
         # the product runs in torch (zero-copy views), not numpy: numpy's BLAS threads keep
-        # spinning after a call and then slow the target's next forward ~3x on a 2-core CPU
-        if end - start <= SCAN_CHUNK:
-            scores = (self._block_tensor(start, end) @ q).numpy()
-            return _top(scores, np.arange(end - start), k)
-        keep_rows, keep_scores = [], []
-        for lo in range(start, end, SCAN_CHUNK):
-            hi = min(lo + SCAN_CHUNK, end)
-            rows, scores = _top((self._block_tensor(lo, hi) @ q).numpy(), np.arange(lo - start, hi - start), k)
-            keep_rows.append(rows)
-            keep_scores.append(scores)
-        return _top(np.concatenate(keep_scores), np.concatenate(keep_rows), k)
+        # spinning after a call and then slow the target's next forward ~3x on a 2-core CPU;
+        # rows are converted SCAN_CHUNK at a time (bounded temporary memory), scores kept whole
+        parts = [self._block_tensor(lo, min(lo + SCAN_CHUNK, end)) @ q for lo in range(start, end, SCAN_CHUNK)]
+        return _top_tensor(parts[0] if len(parts) == 1 else torch.cat(parts), k)
 
     def _block_tensor(self, start: int, end: int) -> torch.Tensor:
         block = self._vectors[start:end]
@@ -190,6 +183,23 @@ class DenseIndex:
         # one transfer: the drafter builds its tree on the host
         both = torch.stack([rows.to(torch.float64), top.values.to(torch.float64)]).cpu().numpy()
         return Neighbours(both[0].astype(np.int64), both[1].astype(np.float32))
+
+
+def _top_tensor(scores: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_top`` of a block's scores [n] (ids: their offsets) through ``torch.topk``, which at 19k
+    rows took a sixth of numpy's argpartition here (0.03 against 0.18 ms): the k-th best score
+    from it, then every offset scoring at least that (ties at the cut included) ordered by score,
+    ties by offset, as ``_top`` orders them."""
+    n = int(scores.shape[0])
+    k = min(k, n)
+    if k < n:
+        kth = torch.topk(scores, k, sorted=False).values.min()
+        offsets = torch.nonzero(scores >= kth).flatten()
+    else:
+        offsets = torch.arange(n)
+    values, offsets = scores[offsets].numpy(), offsets.numpy()
+    best = np.lexsort((offsets, -values))[:k]
+    return offsets[best].astype(np.int64), values[best]
 
 
 def _top(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

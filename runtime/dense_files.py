@@ -197,3 +197,20 @@ class StreamContinuations:
             return []
         bad = np.flatnonzero((window[1:] < 0) | (window[1:] >= self.vocab_size))
         return window[1 : 1 + (int(bad[0]) if bad.size else window.size - 1)].tolist()
+
+    def drafts(self, positions, next_token: int, length: int) -> list[list[int]]:
+        """``draft`` for each of ``positions`` (a search's neighbours), in order: one gather of
+        all their windows from an unsharded stream (one ``draft`` call each costs ~15 us of
+        memory-map slicing, i.e. ~0.15 ms of a 10-neighbour propose); shards go one by one."""
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if len(self.streams) != 1 or length <= 0 or positions.size == 0:
+            return [self.draft(int(p), next_token, length) for p in positions.tolist()]
+        stream = self.streams[0]
+        n = len(stream)
+        at = positions[:, None] + 1 + np.arange(length + 1, dtype=np.int64)  # window: stream[p + 1 : p + 2 + length]
+        inside = (positions[:, None] >= 0) & (at < n)
+        window = np.asarray(stream[np.clip(at, 0, max(n - 1, 0))], dtype=np.int64) if n else np.zeros(at.shape, np.int64)
+        ok = inside[:, 0] & (window[:, 0] == next_token)
+        bad = ~inside[:, 1:] | (window[:, 1:] < 0) | (window[:, 1:] >= self.vocab_size)
+        cut = np.where(bad.any(axis=1), bad.argmax(axis=1), length)
+        return [window[i, 1 : 1 + int(cut[i])].tolist() if ok[i] else [] for i in range(len(positions))]

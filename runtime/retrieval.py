@@ -213,8 +213,9 @@ class DenseSource:
         out = []
         if not isinstance(self.continuations, np.ndarray):
             pending = found.next_token
-            for row in found.rows.tolist():
-                draft = self.continuations.draft(row, pending, length) if pending is not None and length > 0 else []
+            if pending is None or length <= 0:
+                return out
+            for row, draft in zip(found.rows.tolist(), self.continuations.drafts(found.rows, pending, length), strict=True):
                 if draft:
                     out.append(Continuation(row + 2, draft))  # the stream offset where the draft starts
             return out

@@ -48,6 +48,26 @@ def test_open_by_name_version_and_tag(tmp_path):
     assert Datastore.open(store, "code", INFO, dense=False).dense is None
 
 
+def test_batched_stream_continuations_equal_one_by_one():
+    """``StreamContinuations.drafts`` (one gather) gives what ``draft`` gives per position: cut at
+    a separator or an id outside the vocabulary, at the stream's end, nothing for a position
+    outside the stream or whose next token is not the pending one; sharded streams too."""
+    from types import SimpleNamespace
+
+    from specstore.runtime.dense_files import StreamContinuations
+
+    rng = np.random.default_rng(4)
+    for trial in range(30):
+        stream = rng.integers(-1, 12, size=int(rng.integers(1, 60))).astype(np.int32)  # -1: separators; 10, 11: outside
+        shards = [stream] if trial % 3 else [stream[: len(stream) // 2], stream[len(stream) // 2 :]]
+        suffix = SimpleNamespace(stream=stream) if len(shards) == 1 else SimpleNamespace(shards=[SimpleNamespace(stream=x) for x in shards])
+        cont = StreamContinuations(suffix, vocab_size=10)
+        positions = rng.integers(-3, len(stream) + 3, size=12)
+        for pending in {int(stream[min(max(p + 1, 0), len(stream) - 1)]) for p in positions} | {3}:
+            for length in (0, 1, 4, 9):
+                assert cont.drafts(positions, pending, length) == [cont.draft(int(p), pending, length) for p in positions]
+
+
 def test_unknown_references_fail_clearly(tmp_path):
     store, _ = random_store(tmp_path)
     for ref, message in [("chat", "no datastore named 'chat'"), ("code@9", "no version 9"), ("code@prod", "no tag 'prod'")]:
