@@ -38,6 +38,9 @@ REPEATS = 7
 ONLINE_PRIOR = 20.0  # observe: the measured table counts as this many steps
 ONLINE_MEMORY = 200.0  # observe: steps of memory (older ones fade by 1 - 1/this per step)
 VERSION = 2  # of the cache file's layout (2: whole verification steps, not forwards alone)
+# what the verifier's steps cost depends on how it runs them: a new revision re-measures cached
+# tables (2: tree attention without copying the cache, attention.py)
+VERIFIER_REVISION = 2
 
 
 @dataclass(slots=True)
@@ -162,13 +165,15 @@ def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]
 
 
 def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
-    """What a measurement depends on: model hash, device (name), dtype, torch, CPU threads."""
+    """What a measurement depends on: model hash, device (name), dtype, torch, CPU threads, and
+    the verifier's revision."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{platform.machine()} {platform.processor()} x{os.cpu_count()}".strip()
     return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": str(dtype).replace("torch.", ""),
-            "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None}
+            "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
+            "verifier": VERIFIER_REVISION}
 
 
 def cache_path(key: dict, root: Path | None = None) -> Path:

@@ -2,7 +2,8 @@
 and the KV cache kept equal to plain decoding of the committed tokens.
 
 Owns the target's KV cache for one request, the tree attention inputs (a 4D additive float
-mask and explicit position ids, through the public transformers API), cache compaction to the
+mask and explicit position ids, through the public transformers API; an SDPA model is switched
+to attention.py's packed variant, the same math without copying the cache per step), cache compaction to the
 accepted path, the batch fallback for models that cannot take a custom 4D mask, and the types
 a verification returns (``Prefill``, ``VerifyResult``, ``StepOutput``) and the ``Verifier``
 interface the decode loop drives (the simulator's replay verifier implements it too).
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from specstore.runtime.attention import use_packed_attention
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.sampling import Sampling, accept, pick
 from specstore.runtime.tree import DraftTree
@@ -133,6 +135,7 @@ class TreeVerifier:
 
     def __init__(self, model, sampling: Sampling | None = None):
         self.model = model
+        use_packed_attention(model)  # trees attend to the cache without copying it (attention.py)
         self.sampling = sampling or Sampling()
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device

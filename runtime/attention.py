@@ -1,0 +1,78 @@
+"""Tree attention for grouped-query models without copying the cache.
+
+transformers' SDPA path gives a multi-token forward with a custom mask (every tree verification)
+to ``scaled_dot_product_attention`` only after ``repeat_kv``: on a CPU, and on CUDA whenever a
+mask is given, each layer copies its whole cached keys and values once per query head of a
+group (SmolLM2-135M: 9 query heads over 3 key/value heads, so 3x the cache, 30 layers, every
+step). A 1-token step has no such copy (transformers packs its query heads instead). So a
+verification cost more than its extra tree rows: a fixed copy that grows with the context.
+
+Owns ``PACKED_SDPA``, an attention implementation registered with transformers' attention and
+mask interfaces: for a forward of several queries under a 4D mask shared by all heads it packs
+the ``n_rep`` query heads of each key/value head into one head of ``n_rep x q`` rows (row
+``r * q + i`` is head ``r``'s query ``i``) and repeats the mask's rows to match, so attention
+reads each key/value head as it is cached; the rows' results are the same as with the copy (each
+row's softmax is its own). Everything else (prefill, 1-token steps, position biases, soft-capping)
+is transformers' own SDPA function. ``use_packed_attention(model)`` switches a model whose
+implementation is ``"sdpa"`` to it (the verifier does; the model's weights and math are as before).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED_SDPA = "specstore_packed_sdpa"
+
+
+def _packable(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
+    n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
+    return (
+        n_rep > 1
+        and query.shape[2] > 1
+        and key.shape[1] * n_rep == query.shape[1]
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+
+
+def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                        dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, H, q, D], key/value [B, H_kv, k, D]
+    -> ([B, q, H, D_v], None)."""
+    if not _packable(module, query, key, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    b, h, q, d = query.shape
+    n_rep = h // key.shape[1]
+    packed = query.reshape(b, key.shape[1], n_rep * q, d)
+    mask = attention_mask.repeat(1, 1, n_rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+
+
+def use_packed_attention(model) -> bool:
+    """Switch ``model`` from transformers' ``"sdpa"`` to ``PACKED_SDPA`` (True when it now uses it)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == PACKED_SDPA:
+        return True
+    if impl != "sdpa":
+        return False
+    try:
+        model.set_attn_implementation(PACKED_SDPA)
+    except (AttributeError, ValueError, KeyError):
+        return False
+    return getattr(model.config, "_attn_implementation", None) == PACKED_SDPA

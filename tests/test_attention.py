@@ -1,0 +1,86 @@
+"""attention.py's packed SDPA against transformers' own (repeat_kv) SDPA: the same rows under
+tree masks (float and bool, several query lengths and group sizes), the verifier switches sdpa
+models to it and leaves the others alone, and tree logits stay equal to a plain forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specstore.runtime.attention import PACKED_SDPA, packed_sdpa_forward, use_packed_attention
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import TreeVerifier, ancestor_matrix
+from tests.decoding_helpers import tiny_lm
+
+
+class _Module:
+    is_causal = True
+
+    def __init__(self, groups: int):
+        self.num_key_value_groups = groups
+
+
+def _tree_mask(rng: np.random.Generator, cached: int, q: int, as_bool: bool) -> torch.Tensor:
+    parents = [int(rng.integers(-1, i)) for i in range(q - 1)]
+    allowed = torch.as_tensor(ancestor_matrix(DraftTree(rng.integers(0, 9, size=q - 1), parents)))
+    full = torch.ones(1, 1, q, cached + q, dtype=torch.bool)
+    full[0, 0, :, cached:] = allowed
+    if as_bool:
+        return full
+    return torch.zeros(full.shape).masked_fill_(~full, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("q", [2, 7, 17])
+@pytest.mark.parametrize("as_bool", [False, True])
+def test_packed_rows_equal_repeat_kv_rows(groups, q, as_bool):
+    rng = np.random.default_rng(q * 10 + groups)
+    kv_heads, cached, dim = 2, 37, 16
+    gen = torch.Generator().manual_seed(q)
+    query = torch.randn(1, kv_heads * groups, q, dim, generator=gen)
+    key = torch.randn(1, kv_heads, cached + q, dim, generator=gen)
+    value = torch.randn(1, kv_heads, cached + q, dim, generator=gen)
+    mask = _tree_mask(rng, cached, q, as_bool)
+    stock, _ = sdpa_attention_forward(_Module(groups), query, key, value, mask, scaling=0.25)
+    packed, _ = packed_sdpa_forward(_Module(groups), query, key, value, mask, scaling=0.25)
+    assert packed.shape == stock.shape == (1, q, kv_heads * groups, dim)
+    torch.testing.assert_close(packed, stock, atol=1e-6, rtol=1e-5)
+
+
+def test_falls_back_to_transformers_where_it_cannot_pack():
+    gen = torch.Generator().manual_seed(0)
+    query, key = torch.randn(1, 4, 5, 8, generator=gen), torch.randn(1, 2, 9, 8, generator=gen)
+    value = torch.randn(1, 2, 9, 8, generator=gen)
+    for mask in (None, torch.zeros(1, 4, 5, 9)):  # causal (no mask), a per-head mask
+        stock, _ = sdpa_attention_forward(_Module(2), query, key, value, mask)
+        packed, _ = packed_sdpa_forward(_Module(2), query, key, value, mask)
+        assert torch.equal(packed, stock)
+
+
+def test_verifier_switches_sdpa_models_only():
+    llama, _ = tiny_lm("llama", "sdpa")
+    TreeVerifier(llama)
+    assert llama.config._attn_implementation == PACKED_SDPA
+    assert use_packed_attention(llama)  # idempotent
+    eager, _ = tiny_lm("llama", "eager")
+    TreeVerifier(eager)
+    assert eager.config._attn_implementation == "eager"
+
+
+@torch.inference_mode()
+def test_packed_tree_logits_equal_stock_tree_logits():
+    model, _ = tiny_lm("llama", "sdpa")
+    rng = np.random.default_rng(3)
+    vocab = model.config.vocab_size
+    prompt = rng.integers(3, vocab, size=40).tolist()
+    tree = DraftTree(rng.integers(3, vocab, size=9), [-1, 0, 1, 0, -1, 4, 5, 2, -1])
+    pending = int(rng.integers(3, vocab))
+    out = {}
+    for impl in ("sdpa", PACKED_SDPA):
+        verifier = TreeVerifier(model)
+        model.config._attn_implementation = impl  # after the verifier's switch: this forward's implementation
+        verifier.prefill(prompt)
+        out[impl] = verifier.tree_logits(pending, tree)[0]
+    torch.testing.assert_close(out[PACKED_SDPA], out["sdpa"], atol=1e-5, rtol=1e-5)
