@@ -41,6 +41,10 @@ VERSION = 2  # of the cache file's layout (2: whole verification steps, not forw
 # what the verifier's steps cost depends on how it runs them: a new revision re-measures cached
 # tables (2: tree attention without copying the cache, attention.py)
 VERIFIER_REVISION = 2
+# a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
+# the table says the larger forward is at least this much cheaper: kernels that are slow at a
+# few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians
+PAD_MARGIN = 0.1
 
 
 @dataclass(slots=True)
@@ -59,6 +63,8 @@ class CostModel:
     observed: int = 0  # steps observed
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     fit: list[tuple[float, float]] = field(init=False, default_factory=list)
+    # per measured node count, the node count its trees are verified as (padded_nodes)
+    pad_targets: list[int] = field(init=False, default_factory=list)
     _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
 
     def __post_init__(self) -> None:
@@ -66,7 +72,23 @@ class CostModel:
             raise ValueError("a cost model needs one row of seconds per context, one value per node count")
         if list(self.nodes) != sorted(set(self.nodes)) or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError("node counts and contexts must be strictly increasing")
-        self.fit = [_line(self.nodes, row) for row in self.seconds]
+        self.pad_targets = _pad_targets(self.nodes, self.seconds)
+        # the line through what each size costs as verified (padded where padding is cheaper)
+        where = [self.nodes.index(t) for t in self.pad_targets]
+        self.fit = [_line(self.nodes, [row[j] for j in where]) for row in self.seconds]
+
+    def padded_nodes(self, nodes: int) -> int:
+        """The node count to verify an ``nodes``-node tree as: ``nodes`` itself, or a larger
+        measured size whose forward the table says is at least ``PAD_MARGIN`` cheaper than the
+        first measured size at or above ``nodes`` (the verifier adds masked rows; the output is
+        the same)."""
+        if nodes <= 0:
+            return max(int(nodes), 0)
+        for j, n in enumerate(self.nodes):
+            if n >= nodes:
+                target = self.pad_targets[j]
+                return target if target != n else int(nodes)
+        return int(nodes)
 
     def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
         """Predicted seconds of a verification step over ``nodes`` (int or array) tree nodes
@@ -150,6 +172,21 @@ class CostModel:
     def flat(cls, seconds: float = 1.0) -> CostModel:
         """Every tree costs what plain decoding costs (for tests and what-ifs)."""
         return cls([0, 64], [0], [[seconds, seconds]], {"flat": seconds})
+
+
+def _pad_targets(nodes: Sequence[int], seconds: Sequence[Sequence[float]]) -> list[int]:
+    """Per measured node count (0 excluded: plain decoding is never padded), the cheapest
+    measured count at or above it (seconds averaged over the contexts) when that is at least
+    ``PAD_MARGIN`` cheaper at every measured context (a kernel's dip shows at all of them, one
+    noisy median at one), else itself."""
+    table = np.asarray(seconds, dtype=float)
+    mean = table.mean(axis=0)
+    targets = []
+    for j, n in enumerate(nodes):
+        best = j + int(np.argmin(mean[j:]))
+        cheaper = n > 0 and bool(np.all(table[:, best] < (1.0 - PAD_MARGIN) * table[:, j]))
+        targets.append(int(nodes[best]) if cheaper else int(n))
+    return targets
 
 
 def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:

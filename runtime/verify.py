@@ -92,17 +92,23 @@ def ancestor_matrix(tree: DraftTree) -> np.ndarray:
 
 
 def tree_attention_inputs(
-    tree: DraftTree, num_cached: int, dtype: torch.dtype, device: torch.device
+    tree: DraftTree, num_cached: int, dtype: torch.dtype, device: torch.device, pad: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids [1, 1 + n] (cached length + depth) and the additive mask
-    [1, 1, 1 + n, num_cached + 1 + n] (0 where allowed, ``finfo(dtype).min`` elsewhere).
+    """Position ids [1, 1 + n + pad] (cached length + depth) and the additive mask
+    [1, 1, 1 + n + pad, num_cached + 1 + n + pad] (0 where allowed, ``finfo(dtype).min``
+    elsewhere). ``pad`` rows after the tree attend to themselves only and nothing attends to
+    them (their results are dropped).
 
     Additive float, not bool: transformers' eager attention adds a bool mask as 0/1 and gives
     wrong logits without an error.
     """
-    depth = np.concatenate([[0], tree.depths()])
+    depth = np.concatenate([[0], tree.depths(), np.ones(pad, dtype=np.int64)])
     positions = torch.as_tensor(num_cached + depth, device=device).unsqueeze(0)
-    allowed = torch.as_tensor(ancestor_matrix(tree), device=device)
+    anc = ancestor_matrix(tree)
+    if pad:
+        anc = np.pad(anc, ((0, pad), (0, pad)))
+        anc[np.arange(len(anc) - pad, len(anc)), np.arange(len(anc) - pad, len(anc))] = True
+    allowed = torch.as_tensor(anc, device=device)
     q = allowed.shape[0]
     mask = torch.zeros((1, 1, q, num_cached + q), dtype=dtype, device=device)
     mask[0, 0, :, num_cached:].masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -166,16 +172,21 @@ class TreeVerifier:
         return Prefill(pick(last, self.sampling), hidden[0, -1], last)
 
     @torch.inference_mode()
-    def tree_logits(self, pending: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over [pending] + tree nodes: logits [1 + n, V] and hidden [1 + n, H].
-        The cache grows by 1 + n entries; ``compact`` must follow."""
-        ids = torch.tensor([[pending, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
+    def tree_logits(self, pending: int, tree: DraftTree, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over [pending] + tree nodes (+ ``pad`` masked rows, where the cost model
+        found a larger forward cheaper): logits [1 + n, V] and hidden [1 + n, H]. The cache
+        grows by 1 + n entries (``pad`` more, which are cropped again); ``compact`` must follow."""
+        pad = max(int(pad), 0) if len(tree) else 0
+        ids = torch.tensor([[pending, *tree.tokens.tolist(), *[pending] * pad]], dtype=torch.long, device=self.device)
         if len(tree) == 0:  # plain decoding: the model's own causal mask and positions
             logits, hidden = self._forward(ids, self.cache)
             return logits[0], hidden[0]
         dtype = next(self.model.parameters()).dtype
-        positions, mask = tree_attention_inputs(tree, self.num_cached, dtype, self.device)
+        positions, mask = tree_attention_inputs(tree, self.num_cached, dtype, self.device, pad)
         logits, hidden = self._forward(ids, self.cache, attention_mask=mask, position_ids=positions)
+        if pad:
+            self.cache.crop(-pad)  # transformers 5.x: negative = tokens to remove
+            return logits[0, :-pad], hidden[0, :-pad]
         return logits[0], hidden[0]
 
     def compact(self, num_before: int, tree: DraftTree, accepted: list[int]) -> None:
@@ -200,7 +211,8 @@ class TreeVerifier:
         if len(tree) and not self.tree_attention:
             return self._step_batched(pending, tree, acceptance)
         num_before = self.num_cached
-        logits, hidden = self.tree_logits(pending, tree)
+        pad = max(int(tree.meta.get("verify_as", len(tree))) - len(tree), 0)  # set by cost-aware drafting
+        logits, hidden = self.tree_logits(pending, tree, pad)
         accepted, bonus, relaxed = self._accept(logits, tree, acceptance)
         self.compact(num_before, tree, accepted)
         row = accepted[-1] + 1 if accepted else 0

@@ -382,3 +382,46 @@ def test_cost_aware_decoding_feeds_the_cost_model_and_replays_do_not():
     before = (cost.observed, cost.level, cost.tree_scale)
     replay_one(make_drafter("pld", cost=cost), Reference(prompt, out.token_ids), 12, None)
     assert (cost.observed, cost.level, cost.tree_scale) == before
+
+
+def test_trees_are_padded_only_where_a_larger_forward_is_cheaper_at_every_context():
+    # float32 on some CPUs: 2-3 row matmuls are slower than 5-row ones (BENCHMARKS.md)
+    dip = CostModel([0, 1, 2, 4, 8, 16], [128, 1024], [[0.080, 0.126, 0.152, 0.102, 0.121, 0.137],
+                                                        [0.080, 0.127, 0.164, 0.107, 0.122, 0.145]], {})
+    assert [dip.padded_nodes(n) for n in (0, 1, 2, 3, 4, 5, 8, 16, 40)] == [0, 4, 4, 3, 4, 5, 8, 16, 40]
+    # the prices are the padded forwards': the line runs through 0.102 for 1 and 2 nodes, not 0.126/0.152
+    a, b = dip.fit[0]
+    expected = np.polyfit([0, 1, 2, 4, 8, 16], [0.080, 0.102, 0.102, 0.102, 0.121, 0.137], 1)
+    assert (b, a) == pytest.approx(tuple(expected))
+    flat = CostModel([0, 1, 2, 4, 8], [128], [[0.05, 0.051, 0.052, 0.053, 0.06]], {})
+    assert all(flat.padded_nodes(n) == n for n in range(20))
+    # a dip in one context only (a noisy median), or smaller than PAD_MARGIN: no padding
+    noisy = CostModel([0, 1, 2, 4], [128, 1024], [[0.05, 0.07, 0.052, 0.053], [0.06, 0.061, 0.062, 0.063]], {})
+    shallow = CostModel([0, 1, 2, 4], [128], [[0.05, 0.055, 0.052, 0.053]], {})
+    assert all(m.padded_nodes(n) == n for m in (noisy, shallow) for n in range(6))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_padded_verification_is_identical_to_ar(family, monkeypatch):
+    """A cost table with a dip pads pld's small trees (masked rows); the output stays ar's."""
+    from specstore.runtime.verify import TreeVerifier
+
+    model, _ = tiny_lm(family)
+    dip = CostModel([0, 1, 2, 4, 8], [0], [[1.0, 1.6, 1.8, 1.2, 1.4]], {})
+    drafter = make_drafter("pld", cost=dip)
+    rows = []
+    original = TreeVerifier.tree_logits
+
+    def counting(self, pending, tree, pad=0):
+        rows.append((len(tree), pad))
+        return original(self, pending, tree, pad)
+
+    monkeypatch.setattr(TreeVerifier, "tree_logits", counting)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        prompt = random_prompt(rng, model.config.vocab_size, 24)
+        ar = decode(model, prompt, make_drafter("ar"), 30, Sampling())
+        assert decode(model, prompt, drafter, 30, Sampling()).token_ids == ar.token_ids
+    padded = [(n, pad) for n, pad in rows if pad]
+    assert padded and all(1 <= n <= 2 and n + pad == 4 for n, pad in padded)
+    assert all(pad == 0 for n, pad in rows if n == 0 or n >= 3)

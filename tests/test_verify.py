@@ -234,3 +234,27 @@ def test_decode_passes_the_drafters_acceptance_rule():
     out = decode(model, prompt, drafter, 12, Sampling())
     assert out.token_ids == ref
     assert drafter.acceptance.calls == out.stats.steps - 1  # every verification after the prefill
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gpt2", "eager")])
+def test_padded_step_equals_unpadded_step(family, attn):
+    """``tree.meta["verify_as"]`` adds masked rows: the same acceptance, logits and cache."""
+    model, _ = tiny_lm(family, attn)
+    rng = np.random.default_rng(8)
+    vocab = model.config.vocab_size
+    for num_nodes in (1, 2, 5):
+        prompt = rng.integers(3, vocab, size=12).tolist()
+        pending = int(rng.integers(3, vocab))
+        tree = random_tree(rng, vocab, num_nodes)
+        padded = DraftTree(tree.tokens, tree.parents, meta={"verify_as": num_nodes + 3})
+        outs = []
+        for t in (tree, padded):
+            verifier = TreeVerifier(model)
+            verifier.prefill(prompt)
+            outs.append((verifier.step(pending, t), verifier))
+        (plain, v1), (pad, v2) = outs
+        assert pad.result.accepted_nodes == plain.result.accepted_nodes and pad.result.bonus == plain.result.bonus
+        torch.testing.assert_close(pad.logits, plain.logits, atol=1e-4, rtol=1e-4)
+        assert v2.num_cached == v1.num_cached == len(prompt) + 1 + len(plain.result.accepted_nodes)
+        for a, b in zip(v1.cache.layers, v2.cache.layers, strict=True):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)

@@ -23,6 +23,10 @@ registry when a cost model is given):
    expected number of accepted tokens. The size maximising
    ``(1 + sum of the kept path probabilities) / seconds(k nodes, context)`` wins; k = 0 is
    plain decoding. Only nodes are removed, so a lossless drafter stays lossless.
+4. Padding. Where the cost table says a forward of a few more rows is cheaper (float32 matmuls
+   of 2-3 rows on some CPUs), ``tree.meta["verify_as"]`` asks the verifier to verify the kept
+   tree as that many nodes (masked rows that nothing attends to; cost.CostModel.padded_nodes);
+   the prices above are those of the padded forward already.
 
 The calibration lives as long as the wrapper (across requests, like the bench's drafters);
 ``reset`` does not clear it.
@@ -175,6 +179,9 @@ class CostAwareDrafter:
         if len(tree):
             tree = prune(tree, self.calibrator.probabilities(tree), self.cost, self.context)
         self.num_kept += len(tree)
+        padded = self.cost.padded_nodes(len(tree))
+        if padded > len(tree):  # the verifier adds masked rows: a forward this size is cheaper here
+            tree.meta["verify_as"] = padded
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
