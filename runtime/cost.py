@@ -15,6 +15,7 @@ Used by the cost-aware pruner (drafters/cost_aware.py) and the simulator's speed
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -82,13 +83,10 @@ class CostModel:
         measured size whose forward the table says is at least ``PAD_MARGIN`` cheaper than the
         first measured size at or above ``nodes`` (the verifier adds masked rows; the output is
         the same)."""
-        if nodes <= 0:
+        j = bisect.bisect_left(self.nodes, nodes)  # the first measured size at or above it
+        if nodes <= 0 or j == len(self.nodes) or self.pad_targets[j] == self.nodes[j]:
             return max(int(nodes), 0)
-        for j, n in enumerate(self.nodes):
-            if n >= nodes:
-                target = self.pad_targets[j]
-                return target if target != n else int(nodes)
-        return int(nodes)
+        return self.pad_targets[j]
 
     def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
         """Predicted seconds of a verification step over ``nodes`` (int or array) tree nodes

@@ -107,7 +107,7 @@ def tree_attention_inputs(
     anc = ancestor_matrix(tree)
     if pad:
         anc = np.pad(anc, ((0, pad), (0, pad)))
-        anc[np.arange(len(anc) - pad, len(anc)), np.arange(len(anc) - pad, len(anc))] = True
+        anc[-pad:, -pad:] = np.eye(pad, dtype=bool)
     allowed = torch.as_tensor(anc, device=device)
     q = allowed.shape[0]
     mask = torch.zeros((1, 1, q, num_cached + q), dtype=dtype, device=device)
