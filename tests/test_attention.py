@@ -4,11 +4,14 @@ models to it and leaves the others alone, and tree logits stay equal to a plain 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specstore.runtime import attention
 from specstore.runtime.attention import PACKED_SDPA, packed_sdpa_forward, use_packed_attention
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier, ancestor_matrix
@@ -84,3 +87,58 @@ def test_packed_tree_logits_equal_stock_tree_logits():
         verifier.prefill(prompt)
         out[impl] = verifier.tree_logits(pending, tree)[0]
     torch.testing.assert_close(out[PACKED_SDPA], out["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_packed_one_token_step_equals_transformers(dtype, groups):
+    """Plain decoding's 1-token step, packed on the CPU in reduced precision: the rows of
+    transformers' own (enable_gqa) attention."""
+    gen = torch.Generator().manual_seed(groups)
+    kv_heads, cached, dim = 3, 300, 64
+    query = torch.randn(1, kv_heads * groups, 1, dim, generator=gen).to(dtype)
+    key = torch.randn(1, kv_heads, cached, dim, generator=gen).to(dtype)
+    value = torch.randn(1, kv_heads, cached, dim, generator=gen).to(dtype)
+    stock, _ = sdpa_attention_forward(_Module(groups), query, key, value, None, scaling=0.125)
+    packed, _ = packed_sdpa_forward(_Module(groups), query, key, value, None, scaling=0.125)
+    assert packed.shape == stock.shape == (1, 1, kv_heads * groups, dim)
+    reference = torch.nn.functional.scaled_dot_product_attention(  # float32, heads repeated: the exact rows
+        query.float(), key.float().repeat_interleave(groups, 1), value.float().repeat_interleave(groups, 1), scale=0.125)
+    reference = reference.transpose(1, 2)
+    torch.testing.assert_close(packed.float(), reference, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(packed.float(), stock.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_float32_one_token_step_keeps_transformers_path():
+    gen = torch.Generator().manual_seed(5)
+    query, key = torch.randn(1, 6, 1, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
+    value = torch.randn(1, 2, 40, 16, generator=gen)
+    stock, _ = sdpa_attention_forward(_Module(3), query, key, value, None)
+    packed, _ = packed_sdpa_forward(_Module(3), query, key, value, None)
+    assert torch.equal(packed, stock)
+
+
+@torch.inference_mode()
+def test_bf16_plain_steps_follow_the_packed_path_and_decode_alike(monkeypatch):
+    """Greedy plain decoding of a bf16 tiny model: the packed 1-token steps give the tokens
+    transformers' own SDPA gives (a tiny model has no near-ties at this scale)."""
+    taken = []
+    check = attention._packable_step
+    monkeypatch.setattr(attention, "_packable_step", lambda *a: taken.append(check(*a)) or taken[-1])
+    model = copy.deepcopy(tiny_lm("llama", "sdpa")[0]).to(torch.bfloat16)  # the shared float32 one stays as it is
+    prompt = np.random.default_rng(4).integers(3, model.config.vocab_size, size=30).tolist()
+    out = {}
+    for impl in ("sdpa", PACKED_SDPA):
+        verifier = TreeVerifier(model)
+        model.config._attn_implementation = impl
+        pending = verifier.prefill(prompt).bonus
+        logits, tokens = [], []
+        for _ in range(8):
+            row = verifier.step(pending, DraftTree.empty())
+            logits.append(row.logits.float())
+            pending = row.result.bonus
+            tokens.append(pending)
+        out[impl] = (torch.stack(logits), tokens)
+    torch.testing.assert_close(out[PACKED_SDPA][0], out["sdpa"][0], atol=3e-2, rtol=3e-2)
+    assert out[PACKED_SDPA][1] == out["sdpa"][1]
+    assert sum(taken) == 8 * model.config.num_hidden_layers  # every layer of every step packed
