@@ -3,8 +3,10 @@ context of ``c`` cached tokens, for one loaded model, device, dtype and torch bu
 
 Owns measuring it (a few timed verification steps through the TreeVerifier, the forward and
 everything around it: warm-up first, then the median of repeats at node counts 0 (plain
-decoding), 1, 2, 4, ... 64 and at two context lengths), the fit (per context, a least-squares line in nodes with a non-negative slope; linear
-between contexts), and the JSON cache under
+decoding, timed ``PLAIN_REPEATS`` times as often: every tree is priced against it), 1, 2, 4, ...
+64 and at two context lengths), the fit (per context, plain decoding as measured and a
+least-squares line in nodes through the tree sizes, with a non-negative slope; linear between
+contexts), and the JSON cache under
 ``cache_dir()/cost``, keyed by the model's hash, the device, the dtype, torch's version and
 (on the CPU) its thread count. A corrupt or mismatched cache file is measured again;
 ``refresh=True`` (the CLI's ``--refresh-cost``) always measures. Device-agnostic: on CUDA each
@@ -36,6 +38,7 @@ from specstore.runtime.tree import DraftTree
 NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024)
 REPEATS = 7
+PLAIN_REPEATS = 3  # plain decoding's cell is timed this many times per round (its median prices every tree)
 ONLINE_PRIOR = 20.0  # observe: the measured table counts as this many steps
 ONLINE_MEMORY = 200.0  # observe: steps of memory (older ones fade by 1 - 1/this per step)
 VERSION = 2  # of the cache file's layout (2: whole verification steps, not forwards alone)
@@ -52,9 +55,14 @@ PAD_MARGIN = 0.1
 @dataclass(slots=True)
 class CostModel:
     """``seconds[i][j]``: median seconds of one verification forward over ``nodes[j]`` tree
-    nodes (plus the pending token) after ``contexts[i]`` cached tokens; ``fit[i]``: the line
-    ``(a, b)`` fitted to row i (seconds = a + b * nodes), which the predictions use: a small
-    parametric fit, so that the noise of single medians does not shape the trees."""
+    nodes (plus the pending token) after ``contexts[i]`` cached tokens; ``plain[i]``: plain
+    decoding's (0 nodes) seconds at context i, as measured; ``fit[i]``: the line ``(a, b)``
+    fitted to row i's tree sizes (seconds = a + b * nodes for nodes >= 1), which the predictions
+    use: a small parametric fit, so that the noise of single medians does not shape the trees.
+
+    Plain decoding is not on the line: the step from no tree to a tree of one node costs what a
+    masked multi-row forward costs over a 1-row one (on some CPUs in float32 28% of a step,
+    BENCHMARKS.md), which a line through 0 would spread over the slope and price at ~2%."""
 
     nodes: list[int]
     contexts: list[int]
@@ -65,6 +73,7 @@ class CostModel:
     observed: int = 0  # steps observed
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     fit: list[tuple[float, float]] = field(init=False, default_factory=list)
+    plain: list[float] = field(init=False, default_factory=list)
     # per measured node count, the node count its trees are verified as (padded_nodes)
     pad_targets: list[int] = field(init=False, default_factory=list)
     _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
@@ -75,9 +84,15 @@ class CostModel:
         if list(self.nodes) != sorted(set(self.nodes)) or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError("node counts and contexts must be strictly increasing")
         self.pad_targets = _pad_targets(self.nodes, self.seconds)
-        # the line through what each size costs as verified (padded where padding is cheaper)
+        # the line through what each tree size costs as verified (padded where padding is cheaper)
         where = [self.nodes.index(t) for t in self.pad_targets]
-        self.fit = [_line(self.nodes, [row[j] for j in where]) for row in self.seconds]
+        trees = [j for j, n in enumerate(self.nodes) if n > 0]
+        self.fit, self.plain = [], []
+        for row in self.seconds:
+            line = _line([self.nodes[j] for j in trees], [row[where[j]] for j in trees]) if trees else (row[0], 0.0)
+            self.fit.append(line)
+            # a table without a plain column (or trees only): plain decoding on the line at 0
+            self.plain.append(max(float(row[0]), 1e-9) if self.nodes[0] == 0 else line[0])
 
     def padded_nodes(self, nodes: int) -> int:
         """The node count to verify an ``nodes``-node tree as: ``nodes`` itself, or a larger
@@ -129,10 +144,11 @@ class CostModel:
         self.tree_scale = float(np.clip(sxy / sxx, 0.25, 4.0))
 
     def table_seconds(self, nodes, context: int | None = None) -> np.ndarray | float:
-        """The measured table's seconds: per context the fitted line ``a + b * nodes``, linear
-        between (and beyond) the measured contexts."""
+        """The measured table's seconds: per context plain decoding's for 0 nodes and the
+        fitted line ``a + b * nodes`` for trees, linear between (and beyond) the measured
+        contexts."""
         n = np.asarray(nodes, dtype=float)
-        rows = [a + b * n for a, b in self.fit]
+        rows = [np.where(n > 0, a + b * n, t0) for (a, b), t0 in zip(self.fit, self.plain, strict=True)]
         if context is None or len(self.contexts) == 1:
             out = rows[0]
         else:
@@ -221,16 +237,18 @@ def measure(step: Callable[[int, int], None], nodes: Sequence[int] = NODE_COUNTS
             repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter, key: dict | None = None) -> CostModel:
     """Time ``step(nodes, context)`` (one verification forward): one warm-up call per cell, then
     ``repeats`` rounds over every (context, node count) cell, interleaved so that drift and
-    other load on the machine hit every cell alike; the median per cell."""
+    other load on the machine hit every cell alike (plain decoding's cells ``PLAIN_REPEATS``
+    times a round); the median per cell."""
     cells = [(c, n) for c in contexts for n in nodes]
     for c, n in cells:
         step(n, c)
     times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
     for _ in range(repeats):
         for c, n in cells:
-            start = clock()
-            step(n, c)
-            times[(c, n)].append(clock() - start)
+            for _ in range(PLAIN_REPEATS if n == 0 else 1):
+                start = clock()
+                step(n, c)
+                times[(c, n)].append(clock() - start)
     table = [[statistics.median(times[(c, n)]) for n in nodes] for c in contexts]
     return CostModel(list(nodes), list(contexts), table, key or {})
 
