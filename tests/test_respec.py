@@ -61,6 +61,14 @@ def test_entropy_matches_the_definition():
     p = torch.softmax(x.double(), -1)
     assert entropy(x) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
     assert entropy(torch.zeros(V)) == pytest.approx(math.log(V), rel=1e-6)
+    masked = torch.full((V,), float("-inf"))  # a masked vocabulary: those tokens add nothing, no NaN
+    masked[:4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    q = torch.softmax(masked[:4], 0)
+    assert entropy(masked) == pytest.approx(float(-(q * q.log()).sum()), rel=1e-5)
+    assert entropy(x.to(torch.bfloat16)) == pytest.approx(entropy(x.to(torch.bfloat16).float()), rel=1e-6)
+    peaked = torch.zeros(V)
+    peaked[7] = 80.0  # one token takes it all: about 0, never negative beyond rounding
+    assert abs(entropy(peaked)) < 1e-3
 
 
 @pytest.mark.parametrize("threshold", [0.3, 1.0, 2.5])

@@ -110,9 +110,15 @@ class ReSpecConfig:
 
 
 def entropy(logits: torch.Tensor) -> float:
-    """Entropy in nats of softmax(``logits`` [V])."""
-    logp = torch.log_softmax(logits.detach().float().reshape(-1), dim=-1)
-    return float(-(logp.exp() * logp).sum())
+    """Entropy in nats of softmax(``logits`` [V]): with ``d = logits - max`` (clamped far below
+    0, where exp is 0, so that -inf logits add nothing rather than NaN), ``p = exp(d)``,
+    ``H = log sum p - (p . d) / sum p``. Every step pays it: one pass fewer over the vocabulary
+    than log_softmax's (about half the time on this CPU)."""
+    d = logits.detach().reshape(-1).float()
+    d = (d - d.max()).clamp_(min=-1e4)
+    p = torch.exp(d)
+    total = p.sum()
+    return float(torch.log(total) - torch.dot(p, d) / total)
 
 
 class ReSpecDrafter:
