@@ -96,7 +96,7 @@ def test_predicted_speedup_prices_each_replayed_tree():
     rep = replay_one(OracleDrafter(ar.token_ids + [7] * 20, model.config.vocab_size, seed=2), Reference(prompt, ar.token_ids), 24, None)
     sizes = [n for n, _ in rep.trees]
     assert len(rep.trees) == rep.stats.steps - 1 and [c for _, c in rep.trees][0] == len(prompt)
-    per_node = CostModel([0, 10], [0], [[1.0, 2.0]], {})  # 1 s + 0.1 s per node, any context
+    per_node = CostModel([0, 1, 10], [0], [[1.0, 1.1, 2.0]], {})  # 1 s + 0.1 s per node, any context
     method, ar_s = predicted_seconds([rep], per_node)
     assert ar_s == pytest.approx(len(ar.token_ids) - 1)
     assert method == pytest.approx(sum(1.0 + 0.1 * n for n in sizes) + rep.stats.drafting_s)
