@@ -16,8 +16,9 @@ reads each key/value head as it is cached; the rows' results are the same as wit
 row's softmax is its own). A 1-token step without a mask (plain decoding) is packed the same
 way on the CPU in bf16/fp16, where transformers' ``enable_gqa`` call is several times slower
 (``_packable_step``). Everything else (prefill, float32 and CUDA 1-token steps, position
-biases, soft-capping) is transformers' own SDPA function. ``use_packed_attention(model)`` switches a model whose
-implementation is ``"sdpa"`` to it (the verifier does; the model's weights and math are as before).
+biases, soft-capping) is transformers' own SDPA function. ``use_packed_attention(model)``
+switches a model whose implementation is ``"sdpa"`` to it (the verifier does; the model's
+weights and math are as before).
 """
 
 from __future__ import annotations
@@ -30,19 +31,27 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 PACKED_SDPA = "specstore_packed_sdpa"
 
 
-def _packable(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
+def _grouped(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Grouped query heads over the key/value heads, plain attention (what packing needs)."""
     n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     return (
         n_rep > 1
-        and query.shape[2] > 1
         and key.shape[1] * n_rep == query.shape[1]
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dim() == 4
-        and attention_mask.shape[1] == 1
         and dropout == 0.0
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
         and not kwargs.get("output_attentions", False)
+    )
+
+
+def _packable(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Several queries under one 4D mask shared by all heads (a tree verification)."""
+    return (
+        query.shape[2] > 1
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and _grouped(module, query, key, dropout, kwargs)
     )
 
 
@@ -51,18 +60,12 @@ def _packable_step(module, query: torch.Tensor, key: torch.Tensor, attention_mas
     the CPU in a reduced-precision dtype that runs several times slower than the same attention
     over packed query heads (bf16, 9 query over 3 key/value heads: 69 vs 22 us at 128 cached
     tokens, 538 vs 135 us at 1,024; float32 is as fast either way and keeps transformers' path)."""
-    n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     return (
-        n_rep > 1
-        and query.shape[2] == 1
+        query.shape[2] == 1
         and query.device.type == "cpu"
         and query.dtype in (torch.bfloat16, torch.float16)
-        and key.shape[1] * n_rep == query.shape[1]
         and attention_mask is None
-        and dropout == 0.0
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and not kwargs.get("output_attentions", False)
+        and _grouped(module, query, key, dropout, kwargs)
     )
 
 
