@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from specstore.runtime.drafters.base import DecodeState
+from specstore.runtime.linear import use_packed_linears
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
 
@@ -28,6 +29,7 @@ class ModelDrafter:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.model = model
+        use_packed_linears(model)  # its 1-token steps on weights packed once, as the verifier's (linear.py)
         self.num_draft_tokens = num_draft_tokens
         self.device = next(model.parameters()).device
         self._cache: DynamicCache | None = None

@@ -1,0 +1,148 @@
+"""linear.py's packed CPU linears: bf16 products bit-identical to ``F.linear`` and float32 ones
+within rounding, at the row counts decoding uses; the model's parameters and state dict
+untouched; a weight changed in place is packed again; copies, gradients, other dtypes and the
+off switch fall back to ``F.linear``; the verifier switches a model's linears and greedy
+decoding stays equal to the unpacked model's."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from specstore.runtime import linear
+from specstore.runtime.linear import PackedLinear, is_packed, use_packed_linears
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import TreeVerifier
+from tests.decoding_helpers import tiny_lm
+
+pytestmark = pytest.mark.skipif(not linear._available(), reason="this torch build has no oneDNN linear packing")
+
+
+def _layer(dtype: torch.dtype, bias: bool = True, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(96, 160, bias=bias).to(dtype).eval()
+
+
+def _packed(layer: torch.nn.Linear) -> torch.nn.Linear:
+    model = torch.nn.Sequential(layer)
+    assert use_packed_linears(model) == 1
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_products_are_bit_identical_and_float32_within_rounding(rows, bias):
+    for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):
+        layer = _layer(dtype, bias)
+        x = torch.randn(1, rows, 96).to(dtype)
+        with torch.inference_mode():
+            want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            got = _packed(layer)(x)
+        assert isinstance(layer, PackedLinear) and is_packed(layer)
+        assert got.dtype == want.dtype and got.shape == want.shape == (1, rows, 160)
+        if tol == 0.0:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_parameters_and_state_dict_are_untouched_and_switching_is_idempotent():
+    model = copy.deepcopy(tiny_lm("llama")[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    count = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert use_packed_linears(model) == count > 0
+    assert use_packed_linears(model) == count  # again: nothing new
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    layer = _packed(_layer(torch.bfloat16))
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2)
+        second = layer(x)
+    assert torch.equal(second, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert not torch.equal(first, second)
+
+
+def test_a_copy_packs_its_own_weight():
+    layer = _packed(_layer(torch.bfloat16))
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+        x = torch.randn(2, 96).to(torch.bfloat16)
+        assert torch.equal(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias))
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # the original is its own
+    assert is_packed(twin)
+
+
+def test_gradients_and_other_dtypes_go_to_the_plain_product():
+    layer = _packed(_layer(torch.float32))
+    x = torch.randn(3, 96, requires_grad=True)
+    layer(x).sum().backward()  # packed products carry no gradient: F.linear's do
+    assert x.grad is not None and layer.weight.grad is not None
+    with torch.no_grad():
+        wide = torch.randn(3, 96, dtype=torch.float64)
+        with pytest.raises(RuntimeError):  # F.linear's own error for mixed dtypes, not a packed kernel's
+            layer(wide)
+
+
+def test_the_off_switch_and_a_weight_that_cannot_pack(monkeypatch):
+    monkeypatch.setenv("SPECSTORE_PACKED_LINEARS", "0")
+    layer = _layer(torch.bfloat16)
+    assert use_packed_linears(torch.nn.Sequential(layer)) == 0 and type(layer) is torch.nn.Linear
+    monkeypatch.delenv("SPECSTORE_PACKED_LINEARS")
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("no packing on this CPU")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    layer = _layer(torch.bfloat16, seed=1)
+    assert use_packed_linears(torch.nn.Sequential(layer)) == 0 and not is_packed(layer)
+    x = torch.randn(2, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_verifier_packs_and_greedy_decoding_is_unchanged(dtype, monkeypatch):
+    """A tiny model decoded greedily with packed linears and with the switch off: the same
+    tokens, and logits within rounding (bit-equal in bf16)."""
+    prompt = np.random.default_rng(5).integers(3, 200, size=24).tolist()
+    tree = DraftTree.from_paths([[7, 8, 9], [7, 11], [12]])
+    calls = []
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or product(*a))
+    out = {}
+    for packed in (True, False):
+        monkeypatch.setenv("SPECSTORE_PACKED_LINEARS", "1" if packed else "0")
+        model = copy.deepcopy(tiny_lm("llama")[0]).to(dtype)
+        if not packed:  # a deep copy of a shared model that another test packed stays packed
+            for m in model.modules():
+                if isinstance(m, PackedLinear):
+                    m.__class__ = torch.nn.Linear
+        verifier = TreeVerifier(model)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(is_packed(m) for m in linears) == packed
+        calls.clear()
+        pending = verifier.prefill(prompt).bonus
+        logits, tokens = [], []
+        for i in range(10):
+            row = verifier.step(pending, tree if i % 2 else DraftTree.empty())
+            logits.append(row.logits.float())
+            tokens += row.result.accepted_tokens + [row.result.bonus]
+            pending = row.result.bonus
+        out[packed] = (torch.stack(logits), tokens)
+        assert len(calls) == (11 * len(linears) if packed else 0)  # every linear of the prefill and each step
+    assert out[True][1] == out[False][1]
+    if dtype == torch.bfloat16:
+        assert torch.equal(out[True][0], out[False][0])
+    else:
+        torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
