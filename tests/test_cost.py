@@ -195,6 +195,56 @@ def test_pruner_result_is_the_best_size_and_always_a_subtree():
             assert (1 + np.sort(q)[::-1][:size].sum()) / cost.relative(size) <= rate + 1e-9
 
 
+def test_drafting_time_is_priced_into_the_rule_as_spent_whatever_the_size():
+    """A node at 8% acceptance is not worth 10% of a step on its own (1.08 / 1.1 < 1), but is
+    when the step already spends half a plain step drafting (1.08 / 1.6 > 1 / 1.5)."""
+    cost = CostModel([0, 1, 8], [0], [[1.0, 1.1, 1.8]], {})
+    chain = DraftTree.chain([4])
+    assert len(prune(chain, np.array([0.08]), cost)) == 0
+    assert len(prune(chain, np.array([0.08]), cost, overhead=0.5)) == 1
+    _, k, rate = best_size(chain, np.array([0.08]), cost, overhead=0.5)
+    assert k == 1 and rate == pytest.approx(1.08 / 1.6)
+
+
+class _Chain:
+    name, lossless = "fixed", True
+
+    def __init__(self):
+        self.observed = 0
+
+    def reset(self, prompt_ids):
+        pass
+
+    def propose(self, state):
+        tree = DraftTree.chain([4])
+        tree.node_data["prior"] = np.array([0.08])
+        return tree
+
+    def observe(self, state, tree, result):
+        self.observed += 1
+
+
+def test_the_wrapper_times_its_drafting_and_prunes_with_it():
+    """A fake clock: each propose and each observe takes 0.5 s against a 1 s plain step; the
+    first step has no drafting time yet and prunes the node, the second prices 0.5 s and keeps it."""
+    from specstore.runtime.drafters.base import DecodeState
+
+    ticks = iter(np.arange(0, 100, 0.5))
+    cost = CostModel([0, 1, 8], [0], [[1.0, 1.1, 1.8]], {})
+    wrapped = CostAwareDrafter(_Chain(), cost, Calibrator(explore=0.0, weight=1e6), clock=lambda: float(next(ticks)))
+    state = DecodeState(tokens=[1, 2, 3], num_prompt=3)
+    state.budget = 8
+    first = wrapped.propose(state)
+    assert len(first) == 0 and wrapped.draft_s == pytest.approx(0.5)  # no drafting priced yet: pruned
+    wrapped.observe(state, first, VerifyResult([], [], 5, 0))
+    assert len(wrapped.propose(state)) == 1 and wrapped.draft_s == pytest.approx(0.5 + 0.5 / 50)
+    off = CostAwareDrafter(_Chain(), cost, Calibrator(explore=0.0, weight=1e6), count_drafting=False,
+                           clock=lambda: float(next(ticks)))
+    for _ in range(3):
+        assert len(off.propose(state)) == 0 and off.overhead(3) == 0.0
+        off.observe(state, DraftTree.empty(), VerifyResult([], [], 5, 0))
+
+
 def test_calibration_learns_from_verify_results():
     cal = Calibrator(weight=2.0, explore=0.0)
     tree = DraftTree.chain([5, 6, 7])

@@ -21,8 +21,8 @@ registry when a cost model is given):
 3. Pruning (``prune``). A node's path probability is the product along its path; nodes sorted
    by it (parents first on ties) give, for each size k, the subtree of k nodes with the largest
    expected number of accepted tokens. The size maximising
-   ``(1 + sum of the kept path probabilities) / seconds(k nodes, context)`` wins; k = 0 is
-   plain decoding. Only nodes are removed, so a lossless drafter stays lossless.
+   ``(1 + sum of the kept path probabilities) / (seconds(k nodes, context) + drafting)`` wins;
+   k = 0 is plain decoding (drafting: the step's own drafting time, spent whatever k is). Only nodes are removed, so a lossless drafter stays lossless.
 4. Padding. Where the cost table says a forward of a few more rows is cheaper (float32 matmuls
    of 2-3 rows on some CPUs), ``tree.meta["verify_as"]`` asks the verifier to verify the kept
    tree as that many nodes (masked rows that nothing attends to; cost.CostModel.padded_nodes);
@@ -34,6 +34,7 @@ The calibration lives as long as the wrapper (across requests, like the bench's 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -45,6 +46,7 @@ from specstore.runtime.verify import VerifyResult
 
 MAX_DEPTH_BIN = 8  # depths 8 and beyond share one calibration cell
 DEFAULT_PRIOR = 0.5
+DRAFT_MEMORY = 50.0  # steps over which CostAwareDrafter averages its drafting time
 EXPLORE = 0.1  # the exploration bonus at a cell's first trial (module doc, 2; chosen in BENCHMARKS.md)
 
 
@@ -125,23 +127,27 @@ def path_probabilities(tree: DraftTree, p: np.ndarray) -> np.ndarray:
     return out
 
 
-def best_size(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None) -> tuple[np.ndarray, int, float]:
+def best_size(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None,
+              overhead: float = 0.0) -> tuple[np.ndarray, int, float]:
     """(nodes in best-first order, the best number of them to keep, its expected tokens/s
-    relative to plain decoding)."""
+    relative to plain decoding). ``overhead``: what a step spends besides its verification
+    (drafting), in plain decoding steps; it is paid whatever the size, so it lowers the price of
+    a node relative to the whole step."""
     n = len(tree)
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0, 1.0
     q = path_probabilities(tree, p)
     order = np.lexsort((np.arange(n), tree.depths(), -q))  # parents first on ties: prefix-closed
     gain = 1.0 + np.concatenate([[0.0], np.cumsum(q[order])])
-    rate = gain / np.asarray(cost.relative(np.arange(n + 1), context), dtype=float)
+    rate = gain / (np.asarray(cost.relative(np.arange(n + 1), context), dtype=float) + max(float(overhead), 0.0))
     k = int(np.argmax(rate))  # the first maximum: the smaller tree on ties
     return order, k, float(rate[k])
 
 
-def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None) -> DraftTree:
+def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None,
+          overhead: float = 0.0) -> DraftTree:
     """The subtree of ``tree`` maximising expected committed tokens per second (module doc, 3)."""
-    order, k, _ = best_size(tree, p, cost, context)
+    order, k, _ = best_size(tree, p, cost, context, overhead)
     if k == len(tree):
         return tree
     keep = np.zeros(len(tree), dtype=bool)
@@ -151,14 +157,23 @@ def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None =
 
 class CostAwareDrafter:
     """Wraps a drafter: its trees are pruned by ``prune`` with calibrated probabilities; its
-    feedback also updates the calibration. Everything else is the inner drafter's."""
+    feedback also updates the calibration. Everything else is the inner drafter's.
 
-    def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None):
+    The step's own drafting (the inner drafter's propose and observe, and this wrapper's work),
+    timed every step and averaged over ``DRAFT_MEMORY`` steps, is priced into the rule as the
+    ``overhead`` of ``prune``: it is spent whatever the tree's size (``clock``: a fake timer for
+    tests; ``count_drafting=False`` leaves it out)."""
+
+    def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None, *,
+                 count_drafting: bool = True, clock=time.perf_counter):
         self.inner, self.cost = inner, cost
         self.calibrator = calibrator or Calibrator()
         self.name, self.lossless = inner.name, getattr(inner, "lossless", True)
         self.num_kept = self.num_proposed = 0
         self.context = 0  # the context the last tree was pruned at
+        self.count_drafting, self.clock = count_drafting, clock
+        self.draft_s: float | None = None  # drafting seconds a step, averaged (None before a step)
+        self._observe_s = 0.0  # the last observe's seconds (counted with the next step's propose)
 
     @property
     def acceptance(self):
@@ -172,20 +187,33 @@ class CostAwareDrafter:
     def reset(self, prompt_ids: list[int]) -> None:
         self.inner.reset(prompt_ids)
 
+    def overhead(self, context: int | None) -> float:
+        """The averaged drafting seconds of a step in plain decoding steps at ``context``."""
+        if not self.count_drafting or self.draft_s is None:
+            return 0.0
+        plain = float(self.cost.seconds_for(0, context))
+        return self.draft_s / plain if plain > 0 else 0.0
+
     def propose(self, state: DecodeState) -> DraftTree:
+        start = self.clock()
         tree = clip_depth(self.inner.propose(state), max(state.budget, 0))
         self.num_proposed += len(tree)
         self.context = len(state.tokens)
         if len(tree):
-            tree = prune(tree, self.calibrator.probabilities(tree), self.cost, self.context)
+            tree = prune(tree, self.calibrator.probabilities(tree), self.cost, self.context, self.overhead(self.context))
         self.num_kept += len(tree)
         padded = self.cost.padded_nodes(len(tree))
         if padded > len(tree):  # the verifier adds masked rows: a forward this size is cheaper here
             tree.meta["verify_as"] = padded
+        spent = self.clock() - start + self._observe_s
+        if np.isfinite(spent) and spent >= 0:
+            self.draft_s = spent if self.draft_s is None else self.draft_s + (spent - self.draft_s) / DRAFT_MEMORY
         return tree
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
+        start = self.clock()
         self.calibrator.update(tree, result)
         if state.verify_s is not None:  # the cost model follows the machine
             self.cost.observe(len(tree), self.context, state.verify_s)
         self.inner.observe(state, tree, result)
+        self._observe_s = self.clock() - start
