@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from specstore.runtime.cost import (
+    PLAIN_REPEATS,
     CostModel,
     ForwardStep,
     bushy_tree,
     cache_path,
     cost_key,
-    PLAIN_REPEATS,
     load_cost_model,
     measure,
 )
