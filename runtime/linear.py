@@ -64,7 +64,7 @@ def _pack(module: torch.nn.Linear):
         try:
             with torch.no_grad():
                 candidate = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                probe = torch.randn(2, weight.shape[1], dtype=weight.dtype)
+                probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)  # not the global RNG
                 bias = None if module.bias is None else module.bias.detach()
                 got = torch.ops.mkldnn._linear_pointwise(probe, candidate, bias, "none", [], "")
                 want = torch.nn.functional.linear(probe, weight, bias)
@@ -79,7 +79,7 @@ def _pack(module: torch.nn.Linear):
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` (same parameters, state dict and math) that multiplies on the CPU with
+    """An ``nn.Linear`` (same parameters and state dict) that multiplies on the CPU with
     its weight packed once; ``use_packed_linears`` switches a module's class to it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

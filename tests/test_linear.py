@@ -61,6 +61,15 @@ def test_parameters_and_state_dict_are_untouched_and_switching_is_idempotent():
     assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
+def test_packing_leaves_the_global_random_state_alone():
+    layer = _layer(torch.bfloat16, seed=2)
+    torch.manual_seed(11)
+    want = torch.rand(3)
+    torch.manual_seed(11)
+    _packed(layer)
+    assert torch.equal(torch.rand(3), want)  # a seeded sampling run is not shifted by the first verifier
+
+
 def test_a_weight_changed_in_place_is_packed_again():
     layer = _packed(_layer(torch.bfloat16))
     x = torch.randn(4, 96).to(torch.bfloat16)
