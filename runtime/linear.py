@@ -45,27 +45,29 @@ def _free_bytes() -> int | None:
     return None
 
 
-def _state(weight: torch.Tensor) -> tuple:
-    """What a packed copy is valid for: the weight's storage, in-place version, dtype, device, shape."""
+def _state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a packed copy is valid for: the weight's storage, in-place version, dtype, device and
+    shape, and the bias's storage."""
     try:
         version = weight._version
     except RuntimeError:  # an inference tensor keeps no version counter
         version = None
-    return (weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape))
+    return (weight.data_ptr(), version, weight.dtype, weight.device, weight.shape,
+            None if bias is None else bias.data_ptr())
 
 
-def _pack(module: torch.nn.Linear):
+def _pack(module: torch.nn.Linear) -> tuple:
     """Pack ``module``'s weight and check the packed product against ``F.linear``; holds and
-    returns the packed weight, or None (remembered until the weight changes) where this torch
-    build or CPU cannot (e.g. fp16 without AVX-512 fp16)."""
+    returns ``(packed weight, _state, detached bias)``, the packed weight None (remembered until
+    the weight changes) where this torch build or CPU cannot (e.g. fp16 without AVX-512 fp16)."""
     weight = module.weight.detach()
+    bias = None if module.bias is None else module.bias.detach()
     packed = None
     if weight.device.type == "cpu":
         try:
             with torch.no_grad():
                 candidate = torch.ops.mkldnn._reorder_linear_weight(weight, None)
                 probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)  # not the global RNG
-                bias = None if module.bias is None else module.bias.detach()
                 got = torch.ops.mkldnn._linear_pointwise(probe, candidate, bias, "none", [], "")
                 want = torch.nn.functional.linear(probe, weight, bias)
             tol = 1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
@@ -74,8 +76,8 @@ def _pack(module: torch.nn.Linear):
                 packed = candidate
         except RuntimeError:
             packed = None
-    module.__dict__[_ATTR] = (packed, _state(module.weight))
-    return packed
+    held = module.__dict__[_ATTR] = (packed, _state(module.weight, module.bias), bias)
+    return held
 
 
 class PackedLinear(torch.nn.Linear):
@@ -83,13 +85,17 @@ class PackedLinear(torch.nn.Linear):
     its weight packed once; ``use_packed_linears`` switches a module's class to it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # every projection of every step comes here: parameters read from ``_parameters``
+        # directly (not through Module.__getattr__), the bias detached once at packing
+        params = self._parameters
+        weight = params["weight"]
         held = self.__dict__.get(_ATTR)
-        packed = held[0] if held is not None and held[1] == _state(self.weight) else _pack(self)
-        if (packed is None or x.device.type != "cpu" or x.dtype != self.weight.dtype
-                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if held is None or held[1] != _state(weight, params["bias"]):
+            held = _pack(self)
+        if (held[0] is None or not x.is_cpu or x.dtype != weight.dtype
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return torch.nn.functional.linear(x, weight, params["bias"])
+        return torch.ops.mkldnn._linear_pointwise(x, held[0], held[2], "none", [], "")
 
     def __getstate__(self):
         state = super().__getstate__().copy()
@@ -110,10 +116,11 @@ def use_packed_linears(model: torch.nn.Module) -> int:
         return 0
     todo = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and (
         type(m) is torch.nn.Linear or isinstance(m, PackedLinear) and m.__dict__.get(_ATTR) is None)]
-    need = sum(m.weight.numel() * m.weight.element_size() for m in todo)
-    free = _free_bytes()
-    if todo and (free is None or need <= free // 4):
-        for m in todo:
-            m.__class__ = PackedLinear
-            _pack(m)
+    if todo:  # the verifier calls this per request: memory is read only when there is work
+        free = _free_bytes()
+        if free is not None and sum(m.weight.numel() * m.weight.element_size() for m in todo) > free // 4:
+            todo = []
+    for m in todo:
+        m.__class__ = PackedLinear
+        _pack(m)
     return sum(is_packed(m) for m in model.modules())

@@ -22,7 +22,8 @@ registry when a cost model is given):
    by it (parents first on ties) give, for each size k, the subtree of k nodes with the largest
    expected number of accepted tokens. The size maximising
    ``(1 + sum of the kept path probabilities) / (seconds(k nodes, context) + drafting)`` wins;
-   k = 0 is plain decoding (drafting: the step's own drafting time, spent whatever k is). Only nodes are removed, so a lossless drafter stays lossless.
+   k = 0 is plain decoding (drafting: the step's own drafting time, spent whatever k is). Only
+   nodes are removed, so a lossless drafter stays lossless.
 4. Padding. Where the cost table says a forward of a few more rows is cheaper (float32 matmuls
    of 2-3 rows on some CPUs), ``tree.meta["verify_as"]`` asks the verifier to verify the kept
    tree as that many nodes (masked rows that nothing attends to; cost.CostModel.padded_nodes);
