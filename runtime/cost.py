@@ -6,7 +6,9 @@ everything around it: warm-up first, then the median of repeats at node counts 0
 decoding, timed ``PLAIN_REPEATS`` times as often: every tree is priced against it), 1, 2, 4, ...
 64 and at two context lengths), the fit (per context, plain decoding as measured and a
 least-squares line in nodes through the tree sizes, with a non-negative slope; linear between
-contexts), and the JSON cache under
+contexts), the per-request prefill (a fresh verifier and the prompt's forward, timed at
+``PREFILL_LENGTHS`` prompt tokens, a line in them: what every method pays once per prompt, which
+the bench's wall times hold and the simulator's speed prediction must too), and the JSON cache under
 ``cache_dir()/cost``, keyed by the model's hash, the device, the dtype, torch's version and
 (on the CPU) its thread count. A corrupt or mismatched cache file is measured again;
 ``refresh=True`` (the CLI's ``--refresh-cost``) always measures. Device-agnostic: on CUDA each
@@ -20,6 +22,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,10 +41,12 @@ from specstore.runtime.tree import DraftTree
 NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024)
 REPEATS = 7
+PREFILL_LENGTHS = (64, 512)  # prompt tokens the prefill is timed at (a line through them prices any prompt)
+PREFILL_REPEATS = 5
 PLAIN_REPEATS = 3  # plain decoding's cell is timed this many times per round (its median prices every tree)
 ONLINE_PRIOR = 20.0  # observe: the measured table counts as this many steps
 ONLINE_MEMORY = 200.0  # observe: steps of memory (older ones fade by 1 - 1/this per step)
-VERSION = 2  # of the cache file's layout (2: whole verification steps, not forwards alone)
+VERSION = 3  # of the cache file's layout (2: whole verification steps, not forwards alone; 3: the prefill line)
 # what the verifier's steps cost depends on how it runs them: a new revision re-measures cached
 # tables (2: tree attention without copying the cache, attention.py; 3: bf16/fp16 1-token steps
 # packed on the CPU too; 4: CPU linears on weights packed once, linear.py)
@@ -72,6 +77,8 @@ class CostModel:
     tree_scale: float = 1.0  # online: what a step's tree part costs over the table's (observe)
     observed: int = 0  # steps observed
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
+    # [[prompt tokens, seconds], ...]: a request's prefill as measured (empty: not measured)
+    prefill: list[list[float]] = field(default_factory=list)
     fit: list[tuple[float, float]] = field(init=False, default_factory=list)
     plain: list[float] = field(init=False, default_factory=list)
     # per measured node count, the node count its trees are verified as (padded_nodes)
@@ -109,10 +116,20 @@ class CostModel:
         after ``context`` cached tokens (None: the first measured context): the measured table's
         (``table_seconds``) with the online corrections: ``level * (t0 + tree_scale * (t - t0))``,
         ``t0`` the table's plain decoding step at that context."""
-        t = self.table_seconds(nodes, context)
-        t0 = self.table_seconds(0, context)
-        out = self.level * (t0 + self.tree_scale * (np.asarray(t) - t0))
-        return float(out) if np.ndim(out) == 0 else out
+        t0 = self._scalar_seconds(0, context)
+        if np.ndim(nodes) == 0:
+            return self.level * (t0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) - t0))
+        return self.level * (t0 + self.tree_scale * (np.asarray(self.table_seconds(nodes, context)) - t0))
+
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """Predicted seconds of a request's prefill over a ``tokens``-token prompt (a fresh
+        verifier and the prompt's forward): the least-squares line through the measured
+        prefills (non-negative slope), scaled by the online ``level``; None when the table has
+        no prefill measurement (an older cache file, or a table made by hand)."""
+        if not self.prefill:
+            return None
+        a, b = _line([p[0] for p in self.prefill], [p[1] for p in self.prefill])
+        return self.level * (a + b * max(int(tokens), 0))
 
     def observe(self, nodes: int, context: int | None, seconds: float) -> None:
         """One verification step the decode loop timed: corrects the table online for what the
@@ -122,11 +139,11 @@ class CostModel:
         extra over plain decoding (relative) to the table's. Both start where they are (1 for a
         measured table) as ``ONLINE_PRIOR`` steps' worth, and every step, those included, fades
         with a memory of ``ONLINE_MEMORY`` steps; each stays within [1/4, 4]."""
-        if not self.online or not np.isfinite(seconds) or seconds <= 0:
+        if not self.online or not math.isfinite(seconds) or seconds <= 0:
             return
-        t0 = float(self.table_seconds(0, context))
+        t0 = self._scalar_seconds(0, context)
         if self._sums is None:  # the current level and scale as ONLINE_PRIOR steps (fading like any step)
-            x8 = max(float(self.table_seconds(8, context)) / t0 - 1.0, 1e-3)
+            x8 = max(self._scalar_seconds(8, context) / t0 - 1.0, 1e-3)
             self._sums = [ONLINE_PRIOR * self.level, ONLINE_PRIOR, ONLINE_PRIOR * self.tree_scale * x8 * x8, ONLINE_PRIOR * x8 * x8]
         decay = 1.0 - 1.0 / ONLINE_MEMORY
         self._sums = [x * decay for x in self._sums]
@@ -134,19 +151,21 @@ class CostModel:
             self._sums[0] += seconds / t0
             self._sums[1] += 1.0
         else:
-            x = float(self.table_seconds(nodes, context)) / t0 - 1.0  # the table's relative tree part
+            x = self._scalar_seconds(nodes, context) / t0 - 1.0  # the table's relative tree part
             y = seconds / (self.level * t0) - 1.0  # the measured one
             self._sums[2] += x * y
             self._sums[3] += x * x
         self.observed += 1
         su, wu, sxy, sxx = self._sums
-        self.level = float(np.clip(su / wu, 0.25, 4.0))
-        self.tree_scale = float(np.clip(sxy / sxx, 0.25, 4.0))
+        self.level = min(max(su / wu, 0.25), 4.0)
+        self.tree_scale = min(max(sxy / sxx, 0.25), 4.0)
 
     def table_seconds(self, nodes, context: int | None = None) -> np.ndarray | float:
         """The measured table's seconds: per context plain decoding's for 0 nodes and the
         fitted line ``a + b * nodes`` for trees, linear between (and beyond) the measured
         contexts."""
+        if np.ndim(nodes) == 0:
+            return self._scalar_seconds(float(nodes), context)
         n = np.asarray(nodes, dtype=float)
         rows = [np.where(n > 0, a + b * n, t0) for (a, b), t0 in zip(self.fit, self.plain, strict=True)]
         if context is None or len(self.contexts) == 1:
@@ -158,10 +177,23 @@ class CostModel:
             out = np.maximum(out, np.minimum(rows[0], rows[-1]) * 0.5)  # far below the first context: bounded
         return float(out) if out.ndim == 0 else out
 
+    def _scalar_seconds(self, nodes: float, context: int | None) -> float:
+        """``table_seconds`` of one node count in Python floats: the decode loop asks for a few
+        every step (observe, the drafting overhead), right after a forward, where every numpy
+        call runs on cold caches."""
+        rows = [t0 if nodes <= 0 else a + b * nodes for (a, b), t0 in zip(self.fit, self.plain, strict=True)]
+        if context is None or len(self.contexts) == 1:
+            return float(rows[0])
+        c0, c1 = self.contexts[0], self.contexts[-1]
+        out = rows[0] + (float(context) - c0) / (c1 - c0) * (rows[-1] - rows[0])
+        return float(max(out, min(rows[0], rows[-1]) * 0.5))
+
     def relative(self, nodes, context: int | None = None):
         """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context
         (``level`` cancels)."""
-        t0 = self.table_seconds(0, context)
+        t0 = self._scalar_seconds(0, context)
+        if np.ndim(nodes) == 0:
+            return 1.0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) / t0 - 1.0)
         out = 1.0 + self.tree_scale * (np.asarray(self.table_seconds(nodes, context)) / t0 - 1.0)
         return float(out) if np.ndim(out) == 0 else out
 
@@ -172,7 +204,8 @@ class CostModel:
 
     def table_only(self) -> CostModel:
         """The measured table without online corrections (what the cache file holds)."""
-        return CostModel(list(self.nodes), list(self.contexts), [list(r) for r in self.seconds], dict(self.key))
+        return CostModel(list(self.nodes), list(self.contexts), [list(r) for r in self.seconds], dict(self.key),
+                         prefill=[list(p) for p in self.prefill])
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
@@ -181,7 +214,8 @@ class CostModel:
         return cls([int(n) for n in data["nodes"]], [int(c) for c in data["contexts"]],
                    [[float(s) for s in row] for row in data["seconds"]], dict(data["key"]),
                    level=float(data.get("level", 1.0)), tree_scale=float(data.get("tree_scale", 1.0)),
-                   observed=int(data.get("observed", 0)), online=bool(data.get("online", True)))
+                   observed=int(data.get("observed", 0)), online=bool(data.get("online", True)),
+                   prefill=[[int(n), float(t)] for n, t in data.get("prefill", [])])
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> CostModel:
@@ -251,6 +285,41 @@ def measure(step: Callable[[int, int], None], nodes: Sequence[int] = NODE_COUNTS
                 times[(c, n)].append(clock() - start)
     table = [[statistics.median(times[(c, n)]) for n in nodes] for c in contexts]
     return CostModel(list(nodes), list(contexts), table, key or {})
+
+
+def measure_prefill(step: Callable[[int], None], lengths: Sequence[int] = PREFILL_LENGTHS,
+                    repeats: int = PREFILL_REPEATS, clock: Callable[[], float] = time.perf_counter) -> list[list[float]]:
+    """Time ``step(tokens)`` (one request's prefill): one warm-up call per length, then
+    ``repeats`` rounds over the lengths; ``[[tokens, median seconds], ...]``."""
+    for n in lengths:
+        step(n)
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(repeats):
+        for n in lengths:
+            start = clock()
+            step(n)
+            times[n].append(clock() - start)
+    return [[int(n), statistics.median(times[n])] for n in lengths]
+
+
+class PrefillStep:
+    """``step(tokens)`` for ``measure_prefill``: what a request pays before its first decoding
+    step, as the decode loop does it: a fresh TreeVerifier over the model and the prefill of a
+    random ``tokens``-token prompt."""
+
+    def __init__(self, model, seed: int = 1):
+        from specstore.runtime.verify import TreeVerifier
+
+        self.model, self._verifier_cls = model, TreeVerifier
+        self.device = next(model.parameters()).device
+        self.vocab = int(model.config.vocab_size)
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, tokens: int) -> None:
+        out = self._verifier_cls(self.model).prefill(self.rng.integers(0, self.vocab, size=max(int(tokens), 1)).tolist())
+        if self.device.type == "cuda":
+            out.logits.sum().item()
+            torch.cuda.synchronize(self.device)
 
 
 def bushy_tree(nodes: int, vocab: int, rng: np.random.Generator, depth: int = 10) -> DraftTree:
@@ -334,10 +403,12 @@ def usable_contexts(model, nodes: Sequence[int] = NODE_COUNTS, contexts: Sequenc
 def load_cost_model(model, info, *, refresh: bool = False, root: Path | None = None,
                     step: Callable[[int, int], None] | None = None, clock: Callable[[], float] = time.perf_counter,
                     nodes: Sequence[int] = NODE_COUNTS, contexts: Sequence[int] | None = None,
-                    repeats: int = REPEATS, quiet: bool = True) -> CostModel:
+                    repeats: int = REPEATS, quiet: bool = True,
+                    prefill_step: Callable[[int], None] | None = None) -> CostModel:
     """The cached cost model of ``model`` (its ``info`` from load_model), measured when there is
     none, when the cached file is unreadable or for another key, or when ``refresh``.
-    ``step``/``clock``: replace the real forward and timer (tests)."""
+    ``step``/``prefill_step``/``clock``: replace the real verification step, prefill and timer
+    (tests); with a ``step`` and no ``prefill_step`` the prefill is not measured."""
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     key = cost_key(info, device, dtype)
     path = cache_path(key, root)
@@ -354,6 +425,12 @@ def load_cost_model(model, info, *, refresh: bool = False, root: Path | None = N
     ctx = list(contexts) if contexts is not None else usable_contexts(model, nodes)
     with torch.inference_mode():
         fitted = measure(step or ForwardStep(model), nodes, ctx, repeats, clock, key)
+        if prefill_step is None and step is None:
+            prefill_step = PrefillStep(model)
+        if prefill_step is not None:
+            limit = getattr(model.config, "max_position_embeddings", None)
+            lengths = sorted({max(1, min(n, int(limit) - 1)) for n in PREFILL_LENGTHS} if limit else set(PREFILL_LENGTHS))
+            fitted.prefill = measure_prefill(prefill_step, lengths, PREFILL_REPEATS, clock)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(fitted.table_only().to_json(), indent=1))

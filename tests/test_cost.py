@@ -16,8 +16,10 @@ from specstore.runtime.cost import (
     bushy_tree,
     cache_path,
     cost_key,
+    PrefillStep,
     load_cost_model,
     measure,
+    measure_prefill,
 )
 from specstore.runtime.decode import decode
 from specstore.runtime.drafters.cost_aware import (
@@ -119,6 +121,40 @@ def test_cost_cache_is_keyed_refreshed_and_survives_corruption(tmp_path):
     other = cost_key(info, torch.device("cpu"), torch.bfloat16)
     assert cache_path(other, tmp_path) != path
     assert cost_key(info.model_copy(update={"revision": "x"}), torch.device("cpu"), torch.float32) != first.key
+
+
+def test_prefill_is_measured_fitted_cached_and_scaled_by_the_level(tmp_path):
+    """A request's prefill (fresh verifier + the prompt's forward) is timed at a few prompt
+    lengths, a line prices any prompt, the cache file keeps it, and the online level scales it."""
+    seen = []
+
+    class Clock:
+        now = 0.0
+
+    def prefill(tokens):
+        seen.append(tokens)
+        Clock.now += 0.01 + 0.0002 * tokens
+
+    points = measure_prefill(prefill, (64, 512), repeats=3, clock=lambda: Clock.now)
+    assert seen == [64, 512] + [64, 512] * 3  # a warm-up each, then interleaved rounds
+    assert points == [[64, pytest.approx(0.0228)], [512, pytest.approx(0.1124)]]
+    cost = CostModel([0, 8], [0], [[1.0, 1.2]], {}, prefill=points)
+    assert cost.prefill_seconds(100) == pytest.approx(0.01 + 0.0002 * 100)
+    assert CostModel.from_json(json.loads(json.dumps(cost.to_json()))).prefill_seconds(100) == pytest.approx(0.03)
+    assert CostModel([0, 8], [0], [[1.0, 1.2]], {}).prefill_seconds(100) is None  # not measured: no price
+    cost.level = 2.0
+    assert cost.prefill_seconds(100) == pytest.approx(0.06)
+    # load_cost_model measures it with the table and the cache file holds it
+    model, tok = tiny_lm()
+    info = model_info(model, tok, "tiny")
+    timer = FakeTimer(linear)
+    loaded = load_cost_model(model, info, root=tmp_path, step=timer.step, clock=timer.clock, nodes=(0, 2), contexts=(16,),
+                             repeats=2, prefill_step=lambda n: setattr(timer, "now", timer.now + 0.001 * n))
+    assert [n for n, _ in loaded.prefill] == [64, 512] and loaded.prefill_seconds(128) == pytest.approx(0.128)
+    again = load_cost_model(model, info, root=tmp_path, step=timer.step, clock=timer.clock, nodes=(0, 2), contexts=(16,))
+    assert again.prefill == loaded.prefill  # from the cache file
+    # the real step: a fresh verifier's prefill of the given length, on the tiny model
+    PrefillStep(model)(12)
 
 
 def test_forward_step_times_whole_steps_and_leaves_the_cache_as_it_was(monkeypatch):

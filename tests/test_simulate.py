@@ -103,3 +103,11 @@ def test_predicted_speedup_prices_each_replayed_tree():
     assert predicted_speedup([rep], per_node) == pytest.approx(ar_s / method)
     flat, _ = predicted_seconds([rep], CostModel.flat())
     assert flat - rep.stats.drafting_s == pytest.approx(rep.stats.steps - 1)  # flat costs: forwards only
+    # a cost model with a prefill line prices each request's prefill on both sides (the bench's
+    # wall times hold it), which pulls the predicted speedup towards 1
+    with_prefill = CostModel([0, 1, 10], [0], [[1.0, 1.1, 2.0]], {}, prefill=[[4, 2.0], [20, 6.0]])
+    assert with_prefill.prefill_seconds(len(prompt)) == pytest.approx(2.0 + 0.25 * (len(prompt) - 4))
+    method_p, ar_p = predicted_seconds([rep], with_prefill)
+    extra = with_prefill.prefill_seconds(len(prompt))
+    assert (method_p, ar_p) == (pytest.approx(method + extra), pytest.approx(ar_s + extra))
+    assert 1.0 < predicted_speedup([rep], with_prefill) < predicted_speedup([rep], per_node)

@@ -122,13 +122,18 @@ def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None
 
 
 def predicted_seconds(replays: list[Replay], cost) -> tuple[float, float]:
-    """(seconds the replayed method would take, seconds ar would take) on the same references,
-    prefills left out: each verification priced by ``cost`` at its tree size and context, plus
-    the replayed drafting time; ar one 0-node forward per token after the first."""
+    """(seconds the replayed method would take, seconds ar would take) on the same references:
+    each verification priced by ``cost`` at its tree size and context, plus the replayed
+    drafting time; ar one 0-node forward per token after the first; both sides each request's
+    prefill (``cost.prefill_seconds`` of its prompt; left out where the cost model has no
+    prefill measurement), as the bench's wall times hold it."""
     method = ar = 0.0
     for r in replays:
         if not r.trees:
             continue
+        prefill = cost.prefill_seconds(r.prompt_len)
+        if prefill is not None:
+            method, ar = method + prefill, ar + prefill
         nodes = np.array([n for n, _ in r.trees])
         ctx = np.array([c for _, c in r.trees])
         method += float(sum(cost.seconds_for(int(n), int(c)) for n, c in zip(nodes, ctx, strict=True)))
