@@ -23,6 +23,7 @@ block bound read from a file is checked: a damaged file may cost recall, never a
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,10 @@ class Neighbours:
 
 
 SCAN_CHUNK = 1 << 14  # rows of a mapped block converted and scored at once (bounded temporary memory)
+# int8 (or read-only mapped) rows converted to float32 are kept for the next search of the same
+# block, least recently used dropped first, up to this many bytes an index: a decode searches the
+# blocks of common tokens again and again, and converting a block costs more than scoring it
+CONVERTED_CACHE_BYTES = 64 << 20
 
 
 class DenseIndex:
@@ -70,6 +75,7 @@ class DenseIndex:
         self._scales = None
         self._ann = None
         vectors = np.ascontiguousarray(embeddings[order])
+        self._init_converted()
         if self.device.type == "cpu":
             self._vectors = vectors
             self._torch_vectors = None
@@ -97,7 +103,13 @@ class DenseIndex:
         self._ann = ann
         self._vectors = codes
         self._torch_vectors = None
+        self._init_converted()
         return self
+
+    def _init_converted(self) -> None:
+        self._converted: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._converted_bytes = 0
+        self._converted_lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -162,7 +174,23 @@ class DenseIndex:
         block = self._vectors[start:end]
         if block.dtype == np.float32 and block.flags.writeable:
             return torch.from_numpy(block)
-        return torch.from_numpy(np.array(block, dtype=np.float32))  # int8 codes (or a read-only map): converted
+        key = (start, end)  # int8 codes (or a read-only map): converted once, kept while there is room
+        with self._converted_lock:
+            hit = self._converted.get(key)
+            if hit is not None:
+                self._converted.move_to_end(key)
+                return hit
+        converted = torch.from_numpy(np.array(block, dtype=np.float32))
+        size = converted.numel() * 4
+        if size <= CONVERTED_CACHE_BYTES:
+            with self._converted_lock:
+                if key not in self._converted:
+                    self._converted[key] = converted
+                    self._converted_bytes += size
+                while self._converted_bytes > CONVERTED_CACHE_BYTES:
+                    _, old = self._converted.popitem(last=False)
+                    self._converted_bytes -= old.numel() * 4
+        return converted
 
     def _search_ann(self, index, query, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """The block's approximate index proposes ``k * rerank`` candidates; the exact int8

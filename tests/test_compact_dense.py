@@ -414,3 +414,35 @@ def test_default_model_compact_version_with_indexed_blocks_decodes_like_ar(tmp_p
         for method in ("dresd", "respec"):
             assert generate(loaded.model, loaded.tokenizer, prompt, make_drafter(method, ds), max_new_tokens=24).token_ids == ar.token_ids
     assert any(index is not None for index in ds.dense._ann.loaded.values())  # faiss answered some searches
+
+
+
+def test_converted_blocks_are_kept_within_their_budget_and_change_no_result(monkeypatch):
+    """int8 rows of a block are converted to float32 once and reused by the next search of that
+    block (least recently used dropped first, within CONVERTED_CACHE_BYTES); results equal those
+    of a new index's first search."""
+    from specstore.runtime import dense as dense_mod
+
+    rng = np.random.default_rng(3)
+    codes = rng.integers(-127, 128, size=(300, 8)).astype(np.int8)
+    scales = np.full(8, 127.0, dtype=np.float32)
+    blocks = {0: (0, 100), 1: (100, 220), 2: (220, 300)}
+    rows = np.arange(300, dtype=np.int64)
+    index = dense_mod.DenseIndex.from_blocks(codes, scales, rows, blocks)
+    monkeypatch.setattr(dense_mod, "CONVERTED_CACHE_BYTES", 220 * 8 * 4)  # blocks 0 and 1 fit, not all three
+    first = index._block_tensor(0, 100)
+    assert index._block_tensor(0, 100) is first  # kept: the second search converts nothing
+    index._block_tensor(100, 220)
+    assert list(index._converted) == [(0, 100), (100, 220)] and index._converted_bytes == 220 * 8 * 4
+    index._block_tensor(0, 100)  # used again: now the most recent
+    index._block_tensor(220, 300)  # no room: the least recently used (block 1) goes
+    assert list(index._converted) == [(0, 100), (220, 300)] and index._converted_bytes <= 220 * 8 * 4
+    for token in (0, 1, 2, 0, 2, 1):
+        q = torch.from_numpy(rng.normal(size=8).astype(np.float32))
+        got = index.search(q, 5, next_token=token)
+        want = dense_mod.DenseIndex.from_blocks(codes, scales, rows, blocks).search(q, 5, next_token=token)
+        assert got.rows.tolist() == want.rows.tolist() and np.array_equal(got.scores, want.scores)
+    monkeypatch.setattr(dense_mod, "CONVERTED_CACHE_BYTES", 10)  # a block larger than the budget is never kept
+    fresh = dense_mod.DenseIndex.from_blocks(codes, scales, rows, blocks)
+    fresh._block_tensor(0, 100)
+    assert not fresh._converted and fresh._converted_bytes == 0
