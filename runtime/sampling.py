@@ -101,12 +101,14 @@ def accept(logits: torch.Tensor, tree: DraftTree, sampling: Sampling) -> tuple[l
     accepted: list[int] = []
     row = 0
     if sampling.greedy:
-        # one argmax for every row: the walk then touches only Python ints
-        choice = greedy_choice(logits).tolist()
+        # an argmax only for the rows the walk reaches (the accepted path and the row after it):
+        # a tree's other rows are never read, and each row's conversion and argmax cost as much
+        # as a whole row's share of one batched argmax
         while True:
-            nxt = next((c for c in children[row] if tokens[c] == choice[row]), None)
+            choice = int(greedy_choice(logits[row]))
+            nxt = next((c for c in children[row] if tokens[c] == choice), None)
             if nxt is None:
-                return accepted, int(choice[row])
+                return accepted, choice
             accepted.append(nxt)
             row = nxt + 1
     while True:
