@@ -110,15 +110,22 @@ class ReSpecConfig:
 
 
 def entropy(logits: torch.Tensor) -> float:
-    """Entropy in nats of softmax(``logits`` [V]): with ``d = logits - max`` (clamped far below
-    0, where exp is 0, so that -inf logits add nothing rather than NaN), ``p = exp(d)``,
-    ``H = log sum p - (p . d) / sum p``. Every step pays it: one pass fewer over the vocabulary
-    than log_softmax's (about half the time on this CPU)."""
-    d = logits.detach().reshape(-1).float()
+    """Entropy in nats of softmax(``logits`` [V]): ``-sum(p * log p)`` from one log-softmax
+    (converted to float32 in the same pass) and one product. Every step pays it right after a
+    forward, where each small op runs on cold caches, so the fewest ops win (about 130 against
+    185 us on this CPU). Logits of -inf (p = 0, which adds nothing) would make it NaN: those
+    take the longer way, ``d = logits - max`` clamped far below 0 (where exp is 0),
+    ``H = log sum exp(d) - (exp(d) . d) / sum exp(d)``."""
+    flat = logits.detach().reshape(-1)
+    logp = torch.log_softmax(flat, 0, dtype=torch.float32)
+    h = -float(torch.dot(logp.exp(), logp))
+    if h == h:
+        return h
+    d = flat.float()
     d = (d - d.max()).clamp_(min=-1e4)
     p = torch.exp(d)
-    total = p.sum()
-    return float(torch.log(total) - torch.dot(p, d) / total)
+    total = float(p.sum())
+    return math.log(total) - float(torch.dot(p, d)) / total
 
 
 class ReSpecDrafter:
