@@ -46,6 +46,10 @@ class Neighbours:
 
 
 SCAN_CHUNK = 1 << 14  # rows of a mapped block converted and scored at once (bounded temporary memory)
+# blocks above this many rows find their top k with torch.topk first; smaller ones in numpy at once
+# (np.partition over a few thousand scores costs less than the four more torch ops, each of which
+# runs on cold caches right after a forward)
+TOPK_FROM = 4096
 # int8 (or read-only mapped) rows converted to float32 are kept for the next search of the same
 # block, least recently used dropped first, up to this many bytes an index: a decode searches the
 # blocks of common tokens again and again, and converting a block costs more than scoring it
@@ -165,7 +169,8 @@ class DenseIndex:
         # rows are converted SCAN_CHUNK at a time (bounded temporary memory), scores kept whole
         parts = [self._block_tensor(lo, min(lo + SCAN_CHUNK, end)) @ q for lo in range(start, end, SCAN_CHUNK)]
         scores = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if k < scores.shape[0]:  # torch.topk finds the cut (at 19k rows a sixth of numpy's 0.18 ms); _top orders what reaches it
+        if TOPK_FROM < scores.shape[0] and k < scores.shape[0]:
+            # torch.topk finds the cut (at 19k rows a sixth of numpy's 0.18 ms); _top orders what reaches it
             keep = torch.nonzero(scores >= torch.topk(scores, k, sorted=False).values.min()).flatten()
             return _top(scores[keep].numpy(), keep.numpy(), k)
         return _top(scores.numpy(), np.arange(scores.shape[0]), k)
