@@ -123,6 +123,28 @@ def test_dense_search_is_exact_with_and_without_the_filter():
     assert len(index.search(q, 10_000, next_token=tok)) == index.block_size(tok) == int((nxt == tok).sum())
 
 
+def test_dense_search_is_the_same_below_and_above_the_topk_cut(monkeypatch):
+    """Blocks above TOPK_FROM rows cut with torch.topk first, smaller ones in numpy at once:
+    both give the exact top k, ties broken by row (quantised scores make many ties)."""
+    from specstore.runtime import dense as dense_mod
+
+    rng = np.random.default_rng(2)
+    emb = np.round(rng.normal(size=(6000, 4)), 1).astype(np.float32)  # coarse values: tied scores
+    nxt = rng.integers(0, 2, size=6000)
+    index = DenseIndex(emb, nxt)
+    for _ in range(10):
+        q = np.round(rng.normal(size=4), 1).astype(np.float32)
+        tok = int(rng.integers(0, 2))
+        rows = np.flatnonzero(nxt == tok)
+        scores = emb[rows] @ q
+        want = rows[np.lexsort((rows, -scores))][:9]
+        monkeypatch.setattr(dense_mod, "TOPK_FROM", 4096)  # blocks of ~3,000 rows: numpy at once
+        small = index.search(q, 9, next_token=tok)
+        monkeypatch.setattr(dense_mod, "TOPK_FROM", 100)  # the same blocks through torch.topk first
+        large = index.search(q, 9, next_token=tok)
+        assert small.rows.tolist() == large.rows.tolist() == want.tolist()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dense_search_on_cuda_matches_cpu():
