@@ -117,9 +117,7 @@ class CostModel:
         (``table_seconds``) with the online corrections: ``level * (t0 + tree_scale * (t - t0))``,
         ``t0`` the table's plain decoding step at that context."""
         t0 = self._scalar_seconds(0, context)
-        if np.ndim(nodes) == 0:
-            return self.level * (t0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) - t0))
-        return self.level * (t0 + self.tree_scale * (np.asarray(self.table_seconds(nodes, context)) - t0))
+        return self.level * (t0 + self.tree_scale * (self.table_seconds(nodes, context) - t0))
 
     def prefill_seconds(self, tokens: int) -> float | None:
         """Predicted seconds of a request's prefill over a ``tokens``-token prompt (a fresh
@@ -192,10 +190,7 @@ class CostModel:
         """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context
         (``level`` cancels)."""
         t0 = self._scalar_seconds(0, context)
-        if np.ndim(nodes) == 0:
-            return 1.0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) / t0 - 1.0)
-        out = 1.0 + self.tree_scale * (np.asarray(self.table_seconds(nodes, context)) / t0 - 1.0)
-        return float(out) if np.ndim(out) == 0 else out
+        return 1.0 + self.tree_scale * (self.table_seconds(nodes, context) / t0 - 1.0)
 
     def to_json(self) -> dict:
         out = {"version": VERSION, **asdict(self)}
