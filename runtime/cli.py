@@ -206,6 +206,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_cost_options(p, online=False)  # a replay takes no real time: nothing to correct
     p.add_argument("--by-category", action="store_true",
                    help="also print each method's MAT per question category (the JSON always has it: mat_by_category)")
+    p.add_argument("--warm-drafting", action="store_true",
+                   help="replay without streaming over the target's weight bytes between steps (faster; drafting then "
+                   "runs on warm caches and costs ~2-3x less than in decoding, so speed is over-predicted)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cmd_simulate)
 

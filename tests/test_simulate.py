@@ -4,6 +4,7 @@ stopped (EOS inside a draft, max_new_tokens, the context), and never reads past 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specstore.runtime.bench.simulate import Reference, ReplayVerifier, reference_states, simulate_one
@@ -111,3 +112,36 @@ def test_predicted_speedup_prices_each_replayed_tree():
     extra = with_prefill.prefill_seconds(len(prompt))
     assert (method_p, ar_p) == (pytest.approx(method + extra), pytest.approx(ar_s + extra))
     assert 1.0 < predicted_speedup([rep], with_prefill) < predicted_speedup([rep], per_node)
+
+
+def test_the_replay_streams_the_cold_buffer_every_step_and_changes_nothing_else(monkeypatch):
+    """Between replayed steps the verifier streams over a buffer of the target's weight bytes
+    (the bench's dtype, capped), so drafting runs on caches as a decoding step leaves them; the
+    replay's steps, trees and MAT are the same with and without it."""
+    from specstore.runtime.bench import simulate as sim
+
+    model, _ = tiny_lm()
+    params = sum(p.numel() for p in model.parameters())
+    assert sim.cold_buffer(model, "bfloat16").nbytes == params * 2
+    assert sim.cold_buffer(model, "float32").nbytes == params * 4
+    assert sim.cold_buffer(None, "bfloat16") is None
+    monkeypatch.setattr(sim, "COLD_BUFFER_CAP", 4096)
+    assert sim.cold_buffer(model, "float32").nbytes == 4096
+
+    class Counting(np.ndarray):
+        calls = 0
+
+        def sum(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().sum(*args, **kwargs)
+
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    ar = decode(model, prompt, make_drafter("ar"), 24, Sampling())
+    ref = Reference(prompt, ar.token_ids)
+    def make():
+        return OracleDrafter(ar.token_ids + [7] * 20, model.config.vocab_size, seed=2)
+
+    cold = sim.replay_one(make(), ref, 24, None, evict=np.ones(64, dtype=np.float32).view(Counting))
+    warm = sim.replay_one(make(), ref, 24, None)
+    assert Counting.calls == len(cold.trees) > 0  # once a step
+    assert cold.trees == warm.trees and cold.stats.accepted_per_step == warm.stats.accepted_per_step

@@ -68,9 +68,11 @@ class ReplayVerifier:
 
     timed = False  # its steps take no real time: the decode loop gives drafters no timing to learn from
 
-    def __init__(self, ref: Reference, states: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, ref: Reference, states: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 evict: np.ndarray | None = None):
         self.full = [*ref.prompt_ids, *ref.output_ids]
         self.states = states
+        self.evict = evict  # streamed over every step, as a forward streams the weights (cold_buffer)
         self.num_done = 0  # tokens of ``full`` committed so far
         self.trees: list[tuple[int, int]] = []  # per step: (tree nodes, cached tokens before the forward)
 
@@ -85,12 +87,30 @@ class ReplayVerifier:
         if acceptance is not None:
             raise SpecstoreError("a drafter's own acceptance rule (respec relaxed=on) cannot be replayed: simulate strict drafters")
         assert self.num_done < len(self.full), "the replay ran past its reference"
+        if self.evict is not None:
+            self.evict.sum()  # the next propose then finds the caches as decoding's does (cold_buffer)
         self.trees.append((len(tree), self.num_done - 1))
         accepted, bonus = greedy_walk(tree, self.full[self.num_done :])
         last = self.num_done - 1 + len(accepted)  # the last token the target would have processed
         self.num_done += len(accepted) + 1
         result = VerifyResult(accepted, tree.tokens[accepted].tolist(), -1 if bonus is None else bonus, len(tree))
         return StepOutput(result, *self._at(last))
+
+
+COLD_BUFFER_CAP = 1 << 30  # bytes: the most a replay streams over between steps
+
+
+def cold_buffer(model, dtype: str) -> np.ndarray | None:
+    """A buffer of as many bytes as ``model``'s parameters take in ``dtype`` (the bench's; at most
+    ``COLD_BUFFER_CAP``), for ``ReplayVerifier(evict=)``. A decoding step streams the target's
+    weights through every cache, so the drafting after it runs cold; a replay has no forward,
+    and its drafting ran 2.2-2.9x cheaper than the bench's (chat-large, BENCHMARKS.md), which
+    over-predicted the speed of every method that drafts. None without a model."""
+    if model is None:
+        return None
+    width = 2 if dtype in ("bfloat16", "float16") else 4
+    nbytes = min(sum(p.numel() for p in model.parameters()) * width, COLD_BUFFER_CAP)
+    return np.ones(max(nbytes // 4, 1), dtype=np.float32)
 
 
 def simulate_one(drafter, ref: Reference, max_new_tokens: int, context: int | None,
@@ -109,14 +129,15 @@ class Replay:
 
 
 def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None,
-               states: tuple[torch.Tensor, torch.Tensor] | None = None) -> Replay:
-    """``simulate_one`` with each verification's tree size and context (for the speed prediction)."""
+               states: tuple[torch.Tensor, torch.Tensor] | None = None, evict: np.ndarray | None = None) -> Replay:
+    """``simulate_one`` with each verification's tree size and context (for the speed prediction);
+    ``evict``: ``cold_buffer``'s, streamed over between steps."""
     out, done = ref.output_ids, len(ref.prompt_ids) + len(ref.output_ids)
     if not out:
         return Replay(DecodeStats(), [], len(ref.prompt_ids))
     ended_early = len(out) < max_new_tokens and (context is None or done < context)
     eos = (out[-1],) if ended_early else ()
-    verifier = ReplayVerifier(ref, states)
+    verifier = ReplayVerifier(ref, states, evict)
     stats = decode(verifier, ref.prompt_ids, drafter, max_new_tokens, eos_ids=eos, context=context).stats
     return Replay(stats, verifier.trees, len(ref.prompt_ids))
 
@@ -164,13 +185,13 @@ def simulate(make: Callable[[], object], refs: list[Reference], max_new_tokens: 
 
 
 def replay(make: Callable[[], object], refs: list[Reference], max_new_tokens: int, model=None,
-           context: int | None = None) -> list[Replay]:
-    """``simulate`` with each verification's tree size and context."""
+           context: int | None = None, evict: np.ndarray | None = None) -> list[Replay]:
+    """``simulate`` with each verification's tree size and context (``evict``: replay_one's)."""
     drafter = make()
     if context is None and model is not None:
         context = context_limit(model)
-    return [replay_one(drafter, r, max_new_tokens, context, reference_states(model, r) if model is not None else None)
-            for r in refs]
+    return [replay_one(drafter, r, max_new_tokens, context, reference_states(model, r) if model is not None else None,
+                       evict) for r in refs]
 
 
 def _ar_records(result: BenchResult) -> list:
@@ -239,6 +260,7 @@ def run_simulate_command(args) -> int:
 
         ds = Datastore.open(Store.from_args(args), args.datastore, model_info=lm.info, dense=needs_dense(methods))
     cost = bench_cost_model(bench, args)
+    evict = None if args.warm_drafting else cold_buffer(lm.model if lm is not None else None, bench.dtype)
     rows = []
     for m in methods:
         grid = sweeps.get(m, {})
@@ -250,7 +272,7 @@ def run_simulate_command(args) -> int:
             with_cost = cost if uses_cost(m, args.cost_aware) else None
             reps = replay(lambda m=m, opts=opts, c=with_cost: make_drafter(m, datastore=ds, cost=c, **opts), refs,
                           bench.max_new_tokens, lm.model if need_states else None,
-                          context_limit(lm.model) if lm is not None else None)
+                          context_limit(lm.model) if lm is not None else None, evict)
             sims = [r.stats for r in reps]
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
             drafted = sum(s.num_drafted for s in sims)
