@@ -15,7 +15,9 @@ the ``n_rep`` query heads of each key/value head into one head of ``n_rep x q`` 
 reads each key/value head as it is cached; the rows' results are the same as with the copy (each
 row's softmax is its own). A 1-token step without a mask (plain decoding) is packed the same
 way on the CPU in bf16/fp16, where transformers' ``enable_gqa`` call is several times slower
-(``_packable_step``). Everything else (prefill, float32 and CUDA 1-token steps, position
+(``_packable_step``). In bf16/fp16 on the CPU, packed attention over a long cache is two matmuls
+and a softmax rather than SDPA's fused kernel, which grows about twice as fast with the cached
+length there (``_matmul_attention``; float32 and CUDA keep SDPA). Everything else (prefill, float32 and CUDA 1-token steps, position
 biases, soft-capping) is transformers' own SDPA function. ``use_packed_attention(model)``
 switches a model whose implementation is ``"sdpa"`` to it (the verifier does; the model's
 weights and math are as before).
@@ -69,6 +71,37 @@ def _packable_step(module, query: torch.Tensor, key: torch.Tensor, attention_mas
     )
 
 
+# Reduced-precision attention on the CPU through two matmuls and a softmax (``_matmul_attention``)
+# instead of SDPA's fused kernel, where the kernel scales worse with the cached length: bf16, 3
+# key/value heads of 64 dims on this project's CPU, 27 packed rows (an 8-node tree) over 1,024
+# cached tokens 229 against 113 us a layer, 3 rows (a 1-token step) over 2,048 145 against 80 us;
+# below ~8k row-key products the fused kernel's lower fixed cost wins (BENCHMARKS.md).
+MATMUL_MIN_WORK = 8192  # packed query rows x keys at which the matmul path is taken
+MATMUL_MIN_KEYS = 1024  # ... or cached keys, whatever the rows
+MATMUL_MAX_QUERIES = 128  # query tokens of a forward (trees and steps; a prompt's prefill keeps SDPA)
+
+
+def _matmul_worth_it(query: torch.Tensor, rows: int, keys: int) -> bool:
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and query.shape[2] <= MATMUL_MAX_QUERIES and (rows * keys >= MATMUL_MIN_WORK or keys >= MATMUL_MIN_KEYS))
+
+
+def _matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float | None) -> torch.Tensor:
+    """softmax(q k^T x scale + mask) v for [B, H, R, D] queries over [B, H, K, D] keys and values,
+    ``mask`` additive (float) or allowed (bool), broadcast over heads; what SDPA computes, in
+    three ops whose cost grows with the keys as a matmul's does."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    if mask is None:
+        scores.mul_(scale)
+    elif mask.dtype == torch.bool:
+        scores.mul_(scale).masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = torch.add(mask.to(scores.dtype), scores, alpha=scale)
+    return torch.matmul(scores.softmax(-1), value)
+
+
 def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                         dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                         **kwargs) -> tuple[torch.Tensor, None]:
@@ -77,7 +110,10 @@ def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: t
     if _packable_step(module, query, key, attention_mask, dropout, kwargs):
         b, h, _, d = query.shape
         packed = query.reshape(b, key.shape[1], h // key.shape[1], d)  # one query attends to all: no mask
-        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
+        if _matmul_worth_it(query, packed.shape[2], key.shape[2]):
+            out = _matmul_attention(packed, key, value, None, scaling)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scaling)
         return out.reshape(b, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
     if not _packable(module, query, key, attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -86,7 +122,10 @@ def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: t
     n_rep = h // key.shape[1]
     packed = query.reshape(b, key.shape[1], n_rep * q, d)
     mask = attention_mask.repeat(1, 1, n_rep, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    if _matmul_worth_it(query, n_rep * q, key.shape[2]):
+        out = _matmul_attention(packed, key, value, mask, scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 

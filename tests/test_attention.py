@@ -142,3 +142,29 @@ def test_bf16_plain_steps_follow_the_packed_path_and_decode_alike(monkeypatch):
     torch.testing.assert_close(out[PACKED_SDPA][0], out["sdpa"][0], atol=3e-2, rtol=3e-2)
     assert out[PACKED_SDPA][1] == out["sdpa"][1]
     assert sum(taken) == 8 * model.config.num_hidden_layers  # every layer of every step packed
+
+
+@pytest.mark.parametrize("as_bool", [False, True])
+@pytest.mark.parametrize("q", [1, 9])
+def test_matmul_attention_over_a_long_cache_gives_sdpa_rows(monkeypatch, q, as_bool):
+    """bf16 on the CPU over a cache past MATMUL_MIN_KEYS: the packed forward takes the matmul
+    path (counted) and its rows are SDPA's, within bf16 rounding of the float32 ones."""
+    calls = []
+    real = attention._matmul_attention
+    monkeypatch.setattr(attention, "_matmul_attention", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(q)
+    groups, kv_heads, dim = 3, 2, 32
+    cached = attention.MATMUL_MIN_KEYS + 5 - q
+    gen = torch.Generator().manual_seed(q)
+    query = torch.randn(1, kv_heads * groups, q, dim, generator=gen)
+    key = torch.randn(1, kv_heads, cached + q, dim, generator=gen)
+    value = torch.randn(1, kv_heads, cached + q, dim, generator=gen)
+    mask = None if q == 1 else _tree_mask(rng, cached, q, as_bool)
+    reference, _ = sdpa_attention_forward(_Module(groups), query, key, value, mask, scaling=0.2)
+    low = mask if mask is None or as_bool else mask.to(torch.bfloat16)
+    packed, _ = packed_sdpa_forward(_Module(groups), query.bfloat16(), key.bfloat16(), value.bfloat16(), low, scaling=0.2)
+    assert calls == [1] and packed.dtype == torch.bfloat16
+    torch.testing.assert_close(packed.float(), reference, atol=2e-2, rtol=2e-2)
+    float32, _ = packed_sdpa_forward(_Module(groups), query, key, value, mask, scaling=0.2)
+    assert calls == [1]  # float32 keeps SDPA
+    torch.testing.assert_close(float32, reference, atol=1e-5, rtol=1e-5)
