@@ -155,5 +155,8 @@ def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
 def test_option_parsing_and_errors():
     assert parse_options(["rest.max_nodes=32", "dresd.k=3", "respec.relaxed=true", "x.name=abc"]) == {
         "rest": {"max_nodes": 32}, "dresd": {"k": 3}, "respec": {"relaxed": True}, "x": {"name": "abc"}}
+    # inf is no JSON, but a threshold of inf (respec: always retrieve) is a number
+    assert parse_options(["respec.entropy_threshold=inf", "a.b=-inf"]) == {
+        "respec": {"entropy_threshold": float("inf")}, "a": {"b": float("-inf")}}
     with pytest.raises(SpecstoreError):
         parse_options(["rest=3"])

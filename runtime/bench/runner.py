@@ -50,12 +50,19 @@ def parse_options(items: list[str]) -> dict[str, dict]:
         method, dot, name = key.partition(".")
         if not eq or not dot or not name:
             raise SpecstoreError(f"option {item!r} is not METHOD.KEY=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        options[method][name] = value
+        options[method][name] = parse_value(raw)
     return dict(options)
+
+
+def parse_value(raw: str):
+    """An option's value: JSON (``3``, ``0.5``, ``true``, ``[1, 2]``), ``inf`` / ``-inf`` as floats
+    (``respec.entropy_threshold=inf``: always retrieve), anything else the text itself."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if raw.strip().lower() in ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"):
+            return float(raw)
+        return raw
 
 
 class TimedDrafter:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specstore.runtime.bench.runner import parse_options
+from specstore.runtime.bench.runner import parse_options, parse_value
 from specstore.runtime.decode import DecodeStats, context_limit, decode
 from specstore.runtime.drafters.registry import (
     datastore_methods,
@@ -215,13 +215,6 @@ def mat_by_category(stats: list[DecodeStats], categories: list[str]) -> dict[str
     return {c: t / n if n else 0.0 for c, (t, n) in sums.items()}
 
 
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def bench_cost_model(bench: BenchResult, args):
     """The cost model the bench's cost-aware drafters used (stored in its result), so that the
     replay prunes as the bench did; else (or with --refresh-cost) the cached one of the model
@@ -248,7 +241,7 @@ def run_simulate_command(args) -> int:
     categories = [r.category or "-" for r in _ar_records(bench)]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     base = parse_options(args.option)
-    sweeps = {m: {k: [_value(x) for x in str(v).split(",")] if not isinstance(v, list) else v for k, v in o.items()}
+    sweeps = {m: {k: [parse_value(x) for x in str(v).split(",")] if not isinstance(v, list) else v for k, v in o.items()}
               for m, o in parse_options(args.sweep).items()}
     need_states, with_datastore = needs_states(methods), datastore_methods(methods)
     if with_datastore and args.datastore is None:
