@@ -102,6 +102,23 @@ def _matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return torch.matmul(scores.softmax(-1), value)
 
 
+_last_repeat: tuple = (None, 0, None)  # (mask, n_rep, repeated mask) of the last call: one tuple, swapped whole
+
+
+def _repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``mask`` [B, 1, q, k] with its rows repeated ``n_rep`` times (row ``r * q + i`` is row
+    ``i``), made once per forward: every layer is handed the same mask tensor (the verifier makes
+    a new one each step and never edits one in place), and repeating it in each of 30 layers cost
+    a tree step ~0.3 ms on this project's CPU. Threads that verify at once only replace each
+    other's entry (the identity check keeps each result its own mask's)."""
+    global _last_repeat
+    last, reps, repeated = _last_repeat
+    if last is not mask or reps != n_rep:
+        repeated = mask.repeat(1, 1, n_rep, 1)
+        _last_repeat = (mask, n_rep, repeated)
+    return repeated
+
+
 def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                         dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                         **kwargs) -> tuple[torch.Tensor, None]:
@@ -121,7 +138,7 @@ def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: t
     b, h, q, d = query.shape
     n_rep = h // key.shape[1]
     packed = query.reshape(b, key.shape[1], n_rep * q, d)
-    mask = attention_mask.repeat(1, 1, n_rep, 1)
+    mask = _repeated_mask(attention_mask, n_rep)
     if _matmul_worth_it(query, n_rep * q, key.shape[2]):
         out = _matmul_attention(packed, key, value, mask, scaling)
     else:

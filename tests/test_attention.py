@@ -168,3 +168,16 @@ def test_matmul_attention_over_a_long_cache_gives_sdpa_rows(monkeypatch, q, as_b
     float32, _ = packed_sdpa_forward(_Module(groups), query, key, value, mask, scaling=0.2)
     assert calls == [1]  # float32 keeps SDPA
     torch.testing.assert_close(float32, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_repeated_mask_is_made_once_per_mask():
+    """Every layer of a forward gets the same mask: its repeat is made once and reused; another
+    mask (the next step's) or another group size gets its own."""
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(1, 1, 3, 7, generator=gen)
+    first = attention._repeated_mask(a, 3)
+    assert torch.equal(first, a.repeat(1, 1, 3, 1))
+    assert attention._repeated_mask(a, 3) is first
+    assert torch.equal(attention._repeated_mask(a, 2), a.repeat(1, 1, 2, 1))
+    b = a.clone() + 1.0
+    assert torch.equal(attention._repeated_mask(b, 3), b.repeat(1, 1, 3, 1))
