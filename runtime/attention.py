@@ -17,8 +17,8 @@ row's softmax is its own). A 1-token step without a mask (plain decoding) is pac
 way on the CPU in bf16/fp16, where transformers' ``enable_gqa`` call is several times slower
 (``_packable_step``). In bf16/fp16 on the CPU, packed attention over a long cache is two matmuls
 and a softmax rather than SDPA's fused kernel, which grows about twice as fast with the cached
-length there (``_matmul_attention``; float32 and CUDA keep SDPA). Everything else (prefill, float32 and CUDA 1-token steps, position
-biases, soft-capping) is transformers' own SDPA function. ``use_packed_attention(model)``
+length there (``_matmul_attention``; float32 and CUDA keep SDPA). Everything else (prefill,
+float32 and CUDA 1-token steps, position biases, soft-capping) is transformers' own SDPA function. ``use_packed_attention(model)``
 switches a model whose implementation is ``"sdpa"`` to it (the verifier does; the model's
 weights and math are as before).
 """
