@@ -59,9 +59,10 @@ def _stages(args, workdir: Path) -> dict:
     from specstore.pipelines.normalise import NormStats, fit_normaliser, sample_rows
     from specstore.pipelines.plan import plan_build
     from specstore.pipelines.render import Document, prepare
+    from specstore.runtime.device import resolve_build_dtype
     from specstore.runtime.store import Store
 
-    plan = plan_build(Store(workdir / "store", create=True), "bench", args.corpus, model=args.model, dtype=args.dtype,
+    plan = plan_build(Store(workdir / "store", create=True), "bench", args.corpus, model=args.model, dtype=resolve_build_dtype(args.dtype),
                       batch_tokens=args.batch_tokens, max_docs=args.max_docs, progress=False)
     loaded = workers.shared_model(plan.model_path, plan.dtype)  # the model the plan was checked with, as in a build
     device = next(loaded.model.parameters()).device
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", nargs="+", default=["../shared/data/codealpaca/code_alpaca_2k.jsonl.gz"])
     p.add_argument("--max-docs", type=int, default=200)
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"], help="auto: as a build resolves it")
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--sa-tokens", type=int, default=10_000_000)
     p.add_argument("--out", default=None)

@@ -100,6 +100,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--regen-tokens", type=int, default=192, help="response length when the model regenerates (ID)")
     ap.add_argument("--skip-builds-bench", action="store_true")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="builds and decoding (default auto: bf16 where the hardware has it natively, runtime/device.py)")
     args = ap.parse_args()
     if not DATA.is_dir():
         print(f"the benchmark corpora are expected in {DATA} (see ../shared/data/README.md)", file=sys.stderr)
@@ -116,9 +118,9 @@ def main() -> int:
         ("code-id", [code], ["--max-docs", str(args.id_records), "--regenerate", "--max-new-tokens", str(args.regen_tokens)]),
     ]
     for name, corpus, extra in builds:
-        run([*cli, "build", "--store", str(store), "--name", name, "--corpus", *corpus, "--dtype", "bfloat16", *extra],
+        run([*cli, "build", "--store", str(store), "--name", name, "--corpus", *corpus, "--dtype", args.dtype, *extra],
             out / f"build_{name}.log")
-    common = ["--store", str(store), "--max-new-tokens", str(args.max_new_tokens), "--dtype", "bfloat16"]
+    common = ["--store", str(store), "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype]
     mt = str(sample_mt_bench(store.parent / "bench_corpora", args.per_category))
     limit = ["--limit", str(args.limit)]
     runs = [
@@ -142,7 +144,7 @@ def main() -> int:
     print(report)
     if not args.skip_builds_bench:
         run([sys.executable, str(ROOT / "benchmarks" / "bench_build.py"), "--corpus", code, "--max-docs", "200",
-             "--dtype", "bfloat16", "--out", str(out / "build_bench.json")], out / "build_bench.log")
+             "--dtype", args.dtype, "--out", str(out / "build_bench.json")], out / "build_bench.log")
         run([sys.executable, str(ROOT / "benchmarks" / "retrieval_latency.py")], out / "retrieval_latency.log")
     return 0
 

@@ -21,6 +21,13 @@ BUILD_DTYPE_HELP = (
     "(amx_bf16 or avx512_bf16 in /proc/cpuinfo; ~6x faster builds there), float32 elsewhere. "
     "The resolved dtype is recorded in the manifest's settings"
 )
+# decoding's --dtype help (runtime/device.resolve_dtype decides)
+DTYPE_HELP = (
+    "model dtype for decoding; default auto: bfloat16 on a CUDA GPU or a CPU with native bf16 (amx_bf16 or "
+    "avx512_bf16), float32 elsewhere, where emulated bf16 makes every tree verification several times dearer. "
+    "float32 for exact identity with ar"
+)
+DTYPES = ["auto", "float32", "bfloat16"]
 
 
 def _add_store(p: argparse.ArgumentParser) -> None:
@@ -155,7 +162,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_cost_options(p)
@@ -179,7 +186,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP + " (the result records the dtype that ran)")
     p.add_argument("--device", default="auto")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE", help="drafter option, e.g. rest.max_nodes=32 (repeatable)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the JSON result here")
@@ -201,7 +208,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE")
     p.add_argument("--sweep", action="append", default=[], metavar="METHOD.KEY=V1,V2,...", help="try several values of one option")
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="dtype whose verification cost predicts the speed (the bench's; default bfloat16)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="dtype whose verification cost predicts the speed, where the references hold no cost model "
+                   "(default: the dtype the bench ran in, as its result records)")
     p.add_argument("--device", default="auto", help="device whose verification cost predicts the speed (default auto)")
     _add_cost_options(p, online=False)  # a replay takes no real time: nothing to correct
     p.add_argument("--by-category", action="store_true",
@@ -244,7 +253,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="for requests that do not say; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="for requests that do not say (default: a fresh seed per request)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="float32 for exact identity with ar")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     _add_cost_options(p)
     registry.add_cli_options(p)  # each method's own options, as for generate

@@ -54,7 +54,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         own = {args.method: drafter.stats()} if callable(getattr(drafter, "stats", None)) else {}
         answer = {k: v for k, v in result.to_dict().items() if k in ("text", "token_ids", "stats", "stop_reason")}
-        print(json.dumps({"method": args.method, **own, "datastore": result.datastore, "routing": scores,
+        dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")  # --dtype auto resolved
+        print(json.dumps({"method": args.method, "dtype": dtype, **own, "datastore": result.datastore, "routing": scores,
                           "lossless": lossless, **answer}))
         return 0
     stats = result.stats

@@ -1,5 +1,15 @@
-"""One place that decides the device and dtype: CUDA (bf16) when present, the CPU otherwise;
-and the dtype a build embeds in (``resolve_build_dtype``): bf16 where the hardware runs it fast."""
+"""One place that decides the device and dtype: CUDA when present, the CPU otherwise; and the
+dtype, for decoding (``resolve_dtype``) and for a build's embeddings (``resolve_build_dtype``)
+alike: by default bf16 where the hardware runs it natively (a CUDA GPU, a CPU with AMX or
+AVX-512 bf16), float32 elsewhere.
+
+Why float32 on a CPU without native bf16: there oneDNN emulates bf16 products, and their cost
+grows steeply with the rows of a forward. On a 2-core Xeon with AVX-512 but neither flag, with
+the default model at 200 cached tokens, a plain 1-token step took 57 ms in bf16 and 66 in
+float32, but a verification over 6 tree nodes 102 ms in bf16 (1.8x its plain step) against 72
+in float32 (1.09x), and 16 nodes 185 against 94 ms (BENCHMARKS.md, "Decoding dtype"): every
+drafting method pays for its trees several times over in emulated bf16, and float32 is also the
+dtype in which the lossless methods match plain decoding exactly."""
 
 from __future__ import annotations
 
@@ -21,15 +31,23 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype | None = None) -> torch.dtype:
-    """bf16 by default (the fast dtype on the CPU here and on GPUs); float32 for exactness checks."""
+def resolve_dtype(dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
+                  cpuinfo: str | Path = "/proc/cpuinfo") -> torch.dtype:
+    """The dtype to decode in on ``device`` (resolved as ``resolve_device`` does): ``dtype`` as
+    given, or for None / ``auto`` bf16 where that device runs it natively and float32 elsewhere
+    (module doc); float32 is always right for exactness checks."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16
+        return DTYPES[auto_dtype_name(device, cpuinfo)]
     if dtype not in DTYPES:
-        raise SpecstoreError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise SpecstoreError(f"unknown dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (what results and manifests record)."""
+    return str(dtype).replace("torch.", "")
 
 
 # CPU flags of native bf16 matrix arithmetic (Intel AMX, AVX512-BF16): bf16 builds ran ~6x
@@ -54,10 +72,25 @@ def fast_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[bool, str]:
     """Whether bf16 runs fast here, and why (a CUDA GPU, or the CPU flag that says so)."""
     if torch.cuda.is_available():
         return True, "a CUDA GPU is present"
+    native, why = native_bf16_cpu(cpuinfo)
+    return native, why if native else f"no CUDA GPU and {why}"
+
+
+def native_bf16_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[bool, str]:
+    """Whether this CPU has native bf16 matrix arithmetic, and why (the flag, or its absence)."""
     flags = cpu_flags(cpuinfo) & set(BF16_CPU_FLAGS)
     if flags:
         return True, f"the CPU has {', '.join(sorted(flags))}"
-    return False, f"no CUDA GPU and no {' or '.join(BF16_CPU_FLAGS)} CPU flag"
+    return False, f"the CPU has no {' or '.join(BF16_CPU_FLAGS)} flag"
+
+
+def auto_dtype_name(device: str | torch.device | None = None, cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """``auto`` for decoding on ``device``: bfloat16 on CUDA and on a CPU with native bf16,
+    float32 on other CPUs (module doc)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if dev.type == "cpu" and native_bf16_cpu(cpuinfo)[0] else "float32"
 
 
 def resolve_build_dtype(dtype: str | None = None, cpuinfo: str | Path = "/proc/cpuinfo") -> str:

@@ -160,12 +160,13 @@ class LoadedModel:
 
 
 def load_model(model: str | None = None, *, dtype: str | torch.dtype | None = None, device=None) -> LoadedModel:
-    """Load a causal LM and its tokenizer, in eval mode, on the resolved device and dtype."""
+    """Load a causal LM and its tokenizer, in eval mode, on the resolved device and dtype
+    (``dtype`` None or ``auto``: device.resolve_dtype's choice for that device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, dev)
     tok = AutoTokenizer.from_pretrained(str(path))
     lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(dev).eval()
     return LoadedModel(lm, tok, model_info(lm, tok, model_id_of(model, path), path), path)

@@ -199,9 +199,11 @@ def create_app(engine: Engine, *, max_queue: int = 16, defaults: Defaults | None
                 for mid, ref in served_models().items()]
         return JSONResponse({"object": "list", "data": data})
 
+    dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")  # what decodes (--dtype auto resolved)
+
     async def health(request: Request) -> Response:
         return JSONResponse({
-            "status": "ok", "model": name, "method": engine.method, "datastores": engine.datastores,
+            "status": "ok", "model": name, "dtype": dtype, "method": engine.method, "datastores": engine.datastores,
             "refresh_errors": engine.refresh_errors, "log_errors": engine.num_log_errors, "queue": scheduler.stats(),
             "overlay": engine.overlay.stats() if engine.overlay is not None else None,
         })

@@ -105,7 +105,7 @@ def test_bench_command_end_to_end(bench_setup, tmp_path, capsys, monkeypatch):
     assert all(m.num_prompts == 2 for m in result.methods.values()) and result.max_new_tokens == 12
     assert all(r.num_drafted <= 8 * (r.steps - 1) for r in result.prompts if r.method == "rest")  # --option reached rest
     assert len(list((tmp_path / "cache" / "cost").glob("*.json"))) == 1  # measured once for the tiny model, cached
-    assert CostModel.from_json(result.cost_model).key["dtype"] == "float32"
+    assert CostModel.from_json(result.cost_model).key["dtype"] == "float32" and result.dtype == "float32"
     # a method that needs a datastore, without one: one clear error line, before any model loads
     code = main(["bench", "--store", str(folder / "store"), "--questions", str(folder / "questions.jsonl"),
                  "--methods", "rest", "--model", str(model)])

@@ -26,6 +26,7 @@ from specstore.runtime.api import generate, prompt_ids
 from specstore.runtime.bench.metrics import first_difference, summarise
 from specstore.runtime.bench.questions import Question, load_questions
 from specstore.runtime.datastore import Datastore
+from specstore.runtime.device import dtype_name
 from specstore.runtime.drafters.registry import (
     COST_AWARE_DEFAULT,
     check_index,
@@ -175,7 +176,7 @@ def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, te
 
 def run_bench(*, store, datastore: str | None, questions: str, methods: list[str], limit=None, skip=0,
               turns: int = 1, max_new_tokens: int = 128, temperature: float = 0.0, model: str | None = None,
-              dtype: str = "bfloat16", device: str = "auto", options: dict | None = None,
+              dtype: str = "auto", device: str = "auto", options: dict | None = None,
               progress: bool = True, command: str = "", cost_aware: str = COST_AWARE_DEFAULT, refresh_cost: bool = False,
               cost=None, cost_online: bool = True) -> BenchResult:
     """``cost_aware``: on, off or both (module cost_aware.py; ``both`` runs each cost-aware method
@@ -263,7 +264,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
                  "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None},
         device=str(dev),
-        dtype=dtype,
+        dtype=dtype_name(next(lm.model.parameters()).dtype),  # what ran (``auto`` resolved)
         model=lm.info.model_id,
         datastore=ds.ref if ds is not None else None,
         manifest_sha256=hashlib.sha256(ds.manifest.model_dump_json().encode()).hexdigest() if ds is not None else None,

@@ -218,7 +218,7 @@ def mat_by_category(stats: list[DecodeStats], categories: list[str]) -> dict[str
 def bench_cost_model(bench: BenchResult, args):
     """The cost model the bench's cost-aware drafters used (stored in its result), so that the
     replay prunes as the bench did; else (or with --refresh-cost) the cached one of the model
-    as the bench runs it (--dtype, --device), measured when missing."""
+    in the bench's dtype (or --dtype) on --device, measured when missing."""
     from specstore.runtime.cost import CostModel, load_cost_model
     from specstore.runtime.models import load_model
 
@@ -227,7 +227,7 @@ def bench_cost_model(bench: BenchResult, args):
             return CostModel.from_json(bench.cost_model)
         except (ValueError, KeyError, TypeError):
             pass
-    timed = load_model(args.model, dtype=args.dtype, device=args.device)
+    timed = load_model(args.model, dtype=args.dtype or bench.dtype, device=args.device)
     return load_cost_model(timed.model, timed.info, refresh=args.refresh_cost, quiet=args.json)
 
 
