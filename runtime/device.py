@@ -5,11 +5,11 @@ AVX-512 bf16), float32 elsewhere.
 
 Why float32 on a CPU without native bf16: there oneDNN emulates bf16 products, and their cost
 grows steeply with the rows of a forward. On a 2-core Xeon with AVX-512 but neither flag, with
-the default model at 200 cached tokens, a plain 1-token step took 57 ms in bf16 and 66 in
-float32, but a verification over 6 tree nodes 102 ms in bf16 (1.8x its plain step) against 72
-in float32 (1.09x), and 16 nodes 185 against 94 ms (BENCHMARKS.md, "Decoding dtype"): every
-drafting method pays for its trees several times over in emulated bf16, and float32 is also the
-dtype in which the lossless methods match plain decoding exactly."""
+the default model at 128 cached tokens, a plain step took 41 ms in bf16 and 60 in float32, but a
+verification over 8 tree nodes 114 ms in bf16 (2.8x its plain step) against 79 in float32
+(1.31x); respec ran at 1.18x bf16 plain decoding in bf16 and 1.63x in float32, side by side
+(BENCHMARKS.md, "Decoding dtype"): every drafting method pays for its trees several times over
+in emulated bf16, and float32 is also the dtype in which the lossless methods match plain decoding exactly."""
 
 from __future__ import annotations
 
