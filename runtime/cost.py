@@ -50,8 +50,9 @@ VERSION = 3  # of the cache file's layout (2: whole verification steps, not forw
 # what the verifier's steps cost depends on how it runs them: a new revision re-measures cached
 # tables (2: tree attention without copying the cache, attention.py; 3: bf16/fp16 1-token steps
 # packed on the CPU too; 4: CPU linears on weights packed once, linear.py; 5: bf16/fp16 CPU
-# attention over long caches through matmuls, attention.py)
-VERIFIER_REVISION = 5
+# attention over long caches through matmuls, attention.py; 6: products of up to 3 rows through
+# F.linear where it measured faster, linear.py)
+VERIFIER_REVISION = 6
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians

@@ -19,15 +19,30 @@ quarter of the free memory is left as it is). A weight changed in place or moved
 again on its next call; an input on another device or in another dtype, or one that needs
 gradients, goes to ``F.linear``. The verifier calls it, so plain decoding and every drafter's
 verification share it. ``SPECSTORE_PACKED_LINEARS=0`` turns it off.
+
+Small products (``small_rows_plain``): on some CPUs oneDNN's packed product has a fixed cost that
+``F.linear`` (MKL there) does not, and at 1-3 rows ``F.linear`` is the faster one: float32 on a
+2-core Xeon without native bf16, 576 x 576 at 1 row 24 against 42 us, 576 x 1536 82 against 113,
+while from 5 rows on the packed product wins (576 x 1536 at 9 rows 246 against 198 us, the output
+head at 17 rows 26.7 against 9.3 ms; BENCHMARKS.md, "Decoding dtype"). So the first time a
+weight shape and dtype is packed, both products are timed at 1 and ``SMALL_ROWS`` rows, and where
+``F.linear`` is faster at both by ``SMALL_MARGIN`` it takes inputs of up to ``SMALL_ROWS`` rows
+(plain decoding's steps, the smallest trees); the decision is kept for the process, one per
+shape. ``SPECSTORE_LINEAR_SMALL_ROWS=packed`` (or ``plain``) fixes it instead of measuring.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import torch
 
 _ATTR = "_specstore_packed"
+SMALL_ROWS = 3  # rows up to which F.linear may take a product (module doc, small products)
+SMALL_MARGIN = 0.8  # ... where it took at most this share of the packed product's time, at 1 and SMALL_ROWS rows
+_small: dict[tuple, bool] = {}  # (dtype, in, out, bias) -> F.linear for small inputs, decided once per process
 
 
 def _available() -> bool:
@@ -59,8 +74,9 @@ def _state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
 
 def _pack(module: torch.nn.Linear) -> tuple:
     """Pack ``module``'s weight and check the packed product against ``F.linear``; holds and
-    returns ``(packed weight, _state, detached bias)``, the packed weight None (remembered until
-    the weight changes) where this torch build or CPU cannot (e.g. fp16 without AVX-512 fp16)."""
+    returns ``(packed weight, _state, detached bias, small inputs to F.linear)``, the packed weight
+    None (remembered until the weight changes) where this torch build or CPU cannot (e.g. fp16
+    without AVX-512 fp16)."""
     weight = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach()
     packed = None
@@ -77,8 +93,43 @@ def _pack(module: torch.nn.Linear) -> tuple:
                 packed = candidate
         except RuntimeError:
             packed = None
-    held = module.__dict__[_ATTR] = (packed, _state(module.weight, module.bias), bias)
+    small = packed is not None and small_rows_plain(weight, packed, bias)
+    held = module.__dict__[_ATTR] = (packed, _state(module.weight, module.bias), bias, small)
     return held
+
+
+def _seconds(fn, x: torch.Tensor, reps: int) -> float:
+    """Median over 5 rounds of ``reps`` calls, after 2 warm-up calls: seconds per call."""
+    for _ in range(2):
+        fn(x)
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(x)
+        rounds.append((time.perf_counter() - start) / reps)
+    return statistics.median(rounds)
+
+
+def small_rows_plain(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``F.linear`` takes this weight's products of up to ``SMALL_ROWS`` rows (module doc):
+    ``SPECSTORE_LINEAR_SMALL_ROWS`` ``packed`` / ``plain`` fixes it; otherwise timed once per
+    (dtype, shape, bias) in this process."""
+    mode = os.environ.get("SPECSTORE_LINEAR_SMALL_ROWS", "auto")
+    if mode in ("packed", "plain"):
+        return mode == "plain"
+    key = (weight.dtype, weight.shape[1], weight.shape[0], bias is None)
+    if key not in _small:
+        reps = max(2, min(50, int(4e6 // max(weight.numel(), 1))))
+        faster = True
+        with torch.no_grad():
+            for rows in (1, SMALL_ROWS):
+                x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
+                plain = _seconds(lambda v: torch.nn.functional.linear(v, weight, bias), x, reps)
+                oned = _seconds(lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], ""), x, reps)
+                faster = faster and plain <= SMALL_MARGIN * oned
+        _small[key] = faster
+    return _small[key]
 
 
 class PackedLinear(torch.nn.Linear):
@@ -94,7 +145,8 @@ class PackedLinear(torch.nn.Linear):
         if held is None or held[1] != _state(weight, params["bias"]):
             held = _pack(self)
         if (held[0] is None or not x.is_cpu or x.dtype != weight.dtype
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or (held[3] and x.numel() <= SMALL_ROWS * x.shape[-1])):
             return torch.nn.functional.linear(x, weight, params["bias"])
         return torch.ops.mkldnn._linear_pointwise(x, held[0], held[2], "none", [], "")
 

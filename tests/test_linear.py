@@ -133,6 +133,7 @@ def test_the_verifier_packs_and_greedy_decoding_is_unchanged(dtype, monkeypatch)
     product = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or product(*a))
     out = {}
+    monkeypatch.setenv("SPECSTORE_LINEAR_SMALL_ROWS", "packed")  # every product packed (small rows: the test below)
     for packed in (True, False):
         monkeypatch.setenv("SPECSTORE_PACKED_LINEARS", "1" if packed else "0")
         model = copy.deepcopy(tiny_lm("llama")[0]).to(dtype)
@@ -160,3 +161,42 @@ def test_the_verifier_packs_and_greedy_decoding_is_unchanged(dtype, monkeypatch)
         torch.testing.assert_close(out[True][0], out[False][0], atol=1e-2, rtol=1e-2)  # seen: 1e-3 at most
     else:
         torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("plain_faster", "rows_packed"), [(True, [5, 17]), (False, [1, 2, 3, 5, 17])])
+def test_small_products_go_where_they_measured_faster(monkeypatch, plain_faster, rows_packed):
+    """Where F.linear measured faster at 1 and SMALL_ROWS rows (timings faked here), inputs of up
+    to SMALL_ROWS rows take it and larger ones the packed product; otherwise all are packed. The
+    decision is made once per shape and dtype; the results are F.linear's within rounding."""
+    monkeypatch.delenv("SPECSTORE_LINEAR_SMALL_ROWS", raising=False)
+    monkeypatch.setattr(linear, "_small", {})
+    timed = []
+
+    def fake_seconds(fn, x, reps):
+        is_plain = "functional" in fn.__code__.co_names  # F.linear's lambda, not the packed product's
+        timed.append(x.shape[0])
+        return (1.0 if is_plain else 2.0) if plain_faster else (2.0 if is_plain else 1.0)
+
+    monkeypatch.setattr(linear, "_seconds", fake_seconds)
+    layers = [_layer(torch.float32, seed=s) for s in (0, 1)]  # two of one shape: timed once
+    for layer in layers:
+        _packed(layer)
+    assert sorted(set(timed)) == [1, linear.SMALL_ROWS] and len(timed) == 4
+    calls = []
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].numel() // 96) or product(*a))
+    for rows in (1, 2, 3, 5, 17):
+        x = torch.randn(1, rows, 96)
+        with torch.inference_mode():
+            got, want = layers[0](x), torch.nn.functional.linear(x, layers[0].weight, layers[0].bias)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert calls == rows_packed
+
+
+@pytest.mark.parametrize("mode", ["packed", "plain"])
+def test_small_rows_policy_can_be_fixed_without_measuring(monkeypatch, mode):
+    monkeypatch.setenv("SPECSTORE_LINEAR_SMALL_ROWS", mode)
+    monkeypatch.setattr(linear, "_small", {})
+    monkeypatch.setattr(linear, "_seconds", lambda *a: pytest.fail("measured although fixed"))
+    layer = _packed(_layer(torch.float32))
+    assert layer.__dict__[linear._ATTR][3] == (mode == "plain") and not linear._small
