@@ -97,7 +97,8 @@ def decode_all(loaded, opened: dict) -> None:
     # by this machine's verification cost (measured once, then cached)
     cost = cost_model_for(loaded, methods, quiet=False)
     for name, prompt in (("code", CODE_PROMPT), ("chat", CHAT_PROMPT)):
-        section(f"decode with every method against {name}@demo (bf16, greedy, 128 new tokens)")
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        section(f"decode with every method against {name}@demo ({dtype}, greedy, 128 new tokens)")
         print(f"prompt: {prompt}")
         generate(loaded.model, loaded.tokenizer, "Hi", max_new_tokens=4)  # warm-up
         base, ar_ids = None, None
@@ -109,7 +110,7 @@ def decode_all(loaded, opened: dict) -> None:
             if m == "ar":
                 base, ar_ids = len(res.token_ids) / wall, res.token_ids
                 print(f"\n{res.text.strip()[:400]}\n")
-            same = "same as ar" if res.token_ids == ar_ids else f"differs from ar at token {_first_diff(ar_ids, res.token_ids)} (a bf16 near-tie: in float32 every lossless method equals ar, see BENCHMARKS.md)"
+            same = "same as ar" if res.token_ids == ar_ids else f"differs from ar at token {_first_diff(ar_ids, res.token_ids)} (a {dtype} near-tie: in float32 every lossless method equals ar, see BENCHMARKS.md)"
             print(f"{m:>7}: {len(res.token_ids):>3} tokens, MAT {res.stats.mat:.2f}, {len(res.token_ids) / wall:6.1f} tok/s, "
                   f"speedup {len(res.token_ids) / wall / base:.2f}x, drafting {res.stats.drafting_s / wall:.1%} of the time, {same}", flush=True)
 
