@@ -5,7 +5,9 @@ against every product packed, alternating in one process.
     python benchmarks/linear_small_rows.py --dtype float32
 
 Part 1 prints microseconds per product at 1-17 rows for each of the model's weight shapes (median
-of 5 rounds). Part 2 times a verification step (``TreeVerifier.step``, 200 cached tokens, bushy
+of 5 rounds): ``F.linear``, the packed product, and ``torch.mm`` on a transposed contiguous copy
+of the weight (not used by linear.py yet; on this project's AVX-512 Xeon without native bf16 it was
+the fastest float32 product from 1 to 9 rows). Part 2 times a verification step (``TreeVerifier.step``, 200 cached tokens, bushy
 trees of 0-8 nodes as the cost model builds them) under ``SPECSTORE_LINEAR_SMALL_ROWS=auto`` and
 ``packed``, three rounds in alternating order, and prints each round and the medians, with the
 shapes the rule gave to ``F.linear``.
@@ -23,6 +25,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--products-only", action="store_true", help="part 1 only")
     args = p.parse_args()
 
     import numpy as np
@@ -36,18 +39,22 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     model = load_model(None, dtype=args.dtype, device="cpu").model
     shapes = sorted({(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    print(f"{args.dtype}: microseconds per product, F.linear / packed")
+    print(f"{args.dtype}: microseconds per product, F.linear / packed / mm on the transposed weight")
     for k, n in shapes:
         w = torch.randn(n, k).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        wt = w.t().contiguous()
         reps = max(2, min(50, int(4e6 // (k * n))))
         cells = []
         for rows in (1, 2, 3, 5, 9, 17):
             x = torch.randn(1, rows, k).to(dtype)
             plain = linear._seconds(lambda v, w=w: torch.nn.functional.linear(v, w), x, reps)
             oned = linear._seconds(lambda v, pk=packed: torch.ops.mkldnn._linear_pointwise(v, pk, None, "none", [], ""), x, reps)
-            cells.append(f"{rows}: {plain * 1e6:.0f} / {oned * 1e6:.0f}")
+            mm = linear._seconds(lambda v, wt=wt: torch.matmul(v, wt), x, reps)
+            cells.append(f"{rows}: {plain * 1e6:.0f} / {oned * 1e6:.0f} / {mm * 1e6:.0f}")
         print(f"  {k} x {n}: " + ", ".join(cells))
+    if args.products_only:
+        return 0
 
     rng = np.random.default_rng(0)
 
