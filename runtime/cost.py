@@ -247,13 +247,26 @@ def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]
     return max(float(a), 1e-9), float(b)
 
 
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU's model name (``model name`` in ``cpuinfo``; empty where unreadable or absent)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return " ".join(value.split())
+    return ""
+
+
 def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
-    """What a measurement depends on: model hash, device (name), dtype, torch, CPU threads, and
-    the verifier's revision."""
+    """What a measurement depends on: model hash, device (name; on the CPU its model name and
+    core count), dtype, torch, CPU threads, and the verifier's revision."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{platform.machine()} {platform.processor()} x{os.cpu_count()}".strip()
+    else:  # platform.processor() is empty on most Linux systems: the CPU's model name tells CPUs apart
+        name = f"{platform.machine()} {cpu_model() or platform.processor()} x{os.cpu_count()}".strip()
     return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": str(dtype).replace("torch.", ""),
             "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "verifier": VERIFIER_REVISION}

@@ -123,6 +123,25 @@ def test_cost_cache_is_keyed_refreshed_and_survives_corruption(tmp_path):
     assert cost_key(info.model_copy(update={"revision": "x"}), torch.device("cpu"), torch.float32) != first.key
 
 
+def test_the_cost_key_tells_cpu_models_apart(tmp_path, monkeypatch):
+    """A table measured on one processor is not reused on another (a home cache copied between
+    machines): the CPU's model name is in the key, read from /proc/cpuinfo."""
+    from specstore.runtime import cost
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R)  Processor @ 2.60GHz\nflags\t\t: fpu\n")
+    assert cost.cpu_model(cpuinfo) == "Intel(R) Xeon(R) Processor @ 2.60GHz"
+    assert cost.cpu_model(tmp_path / "missing") == ""
+    model, tok = tiny_lm()
+    info = model_info(model, tok, "tiny")
+    keys = []
+    for name in ("Intel(R) Xeon(R) Processor @ 2.60GHz", "AMD EPYC 9B14"):
+        monkeypatch.setattr(cost, "cpu_model", lambda cpuinfo="/proc/cpuinfo", name=name: name)
+        keys.append(cost_key(info, torch.device("cpu"), torch.float32))
+        assert name in keys[-1]["device"]
+    assert keys[0] != keys[1] and cache_path(keys[0], tmp_path) != cache_path(keys[1], tmp_path)
+
+
 def test_prefill_is_measured_fitted_cached_and_scaled_by_the_level(tmp_path):
     """A request's prefill (fresh verifier + the prompt's forward) is timed at a few prompt
     lengths, a line prices any prompt, the cache file keeps it, and the online level scales it."""
