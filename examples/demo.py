@@ -90,14 +90,15 @@ def show(store: Path, loaded) -> dict:
 
 def decode_all(loaded, opened: dict) -> None:
     from specstore.runtime.api import generate
+    from specstore.runtime.device import dtype_name
     from specstore.runtime.drafters.registry import available, cost_model_for, make_drafter, uses_cost
 
     methods = [m for m in METHODS if m in available()]
     # as `specstore generate` does by default (--cost-aware auto): rest and dresd size their trees
     # by this machine's verification cost (measured once, then cached)
     cost = cost_model_for(loaded, methods, quiet=False)
+    dtype = dtype_name(next(loaded.model.parameters()).dtype)
     for name, prompt in (("code", CODE_PROMPT), ("chat", CHAT_PROMPT)):
-        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         section(f"decode with every method against {name}@demo ({dtype}, greedy, 128 new tokens)")
         print(f"prompt: {prompt}")
         generate(loaded.model, loaded.tokenizer, "Hi", max_new_tokens=4)  # warm-up
@@ -122,6 +123,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 def main() -> int:
     from transformers.utils import logging as hf_logging
 
+    from specstore.runtime.device import dtype_name
     from specstore.runtime.models import load_model
 
     hf_logging.disable_progress_bar()
@@ -130,7 +132,7 @@ def main() -> int:
     # auto: bf16 where the hardware has it natively, float32 elsewhere (runtime/device.py); float32
     # identity with ar is asserted by `make test`
     loaded = load_model(dtype="auto")
-    print(f"decoding in {str(next(loaded.model.parameters()).dtype).removeprefix('torch.')}")
+    print(f"decoding in {dtype_name(next(loaded.model.parameters()).dtype)}")
     opened = show(store, loaded)
     decode_all(loaded, opened)
     print("\nDone. Try: .venv/bin/specstore generate --store demo_store --datastore code@demo --method rest --prompt '...'")

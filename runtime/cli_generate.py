@@ -18,6 +18,7 @@ from specstore.runtime.errors import SpecstoreError
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from specstore.runtime.device import dtype_name
     from specstore.runtime.drafters import registry
     from specstore.runtime.engine import Engine
     from specstore.runtime.models import load_model
@@ -54,7 +55,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         own = {args.method: drafter.stats()} if callable(getattr(drafter, "stats", None)) else {}
         answer = {k: v for k, v in result.to_dict().items() if k in ("text", "token_ids", "stats", "stop_reason")}
-        dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")  # --dtype auto resolved
+        dtype = dtype_name(next(loaded.model.parameters()).dtype)  # --dtype auto resolved
         print(json.dumps({"method": args.method, "dtype": dtype, **own, "datastore": result.datastore, "routing": scores,
                           "lossless": lossless, **answer}))
         return 0

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstore.runtime.device import cpu_model, dtype_name
 from specstore.runtime.models import cache_dir
 from specstore.runtime.tree import DraftTree
 
@@ -247,19 +248,6 @@ def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]
     return max(float(a), 1e-9), float(b)
 
 
-def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
-    """The CPU's model name (``model name`` in ``cpuinfo``; empty where unreadable or absent)."""
-    try:
-        text = Path(cpuinfo).read_text(errors="replace")
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return " ".join(value.split())
-    return ""
-
-
 def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
     """What a measurement depends on: model hash, device (name; on the CPU its model name and
     core count), dtype, torch, CPU threads, and the verifier's revision."""
@@ -267,7 +255,7 @@ def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
         name = torch.cuda.get_device_name(device)
     else:  # platform.processor() is empty on most Linux systems: the CPU's model name tells CPUs apart
         name = f"{platform.machine()} {cpu_model() or platform.processor()} x{os.cpu_count()}".strip()
-    return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": str(dtype).replace("torch.", ""),
+    return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": dtype_name(dtype),
             "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "verifier": VERIFIER_REVISION}
 

@@ -55,17 +55,28 @@ def dtype_name(dtype: torch.dtype) -> str:
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags (empty where ``cpuinfo`` is unreadable, e.g. not Linux)."""
+def _cpuinfo_field(names: tuple[str, ...], cpuinfo: str | Path) -> str | None:
+    """The value of the first line of ``cpuinfo`` whose key is one of ``names`` (the first CPU's);
+    None where the file is unreadable (e.g. not Linux) or has no such line."""
     try:
         text = Path(cpuinfo).read_text(errors="replace")
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in names:
+            return value
+    return None
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (empty where ``cpuinfo`` is unreadable, e.g. not Linux)."""
+    return frozenset((_cpuinfo_field(("flags", "Features"), cpuinfo) or "").split())
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU's model name (``model name`` in ``cpuinfo``; empty where unreadable or absent)."""
+    return " ".join((_cpuinfo_field(("model name",), cpuinfo) or "").split())
 
 
 def fast_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[bool, str]:
@@ -88,9 +99,8 @@ def auto_dtype_name(device: str | torch.device | None = None, cpuinfo: str | Pat
     """``auto`` for decoding on ``device``: bfloat16 on CUDA and on a CPU with native bf16,
     float32 on other CPUs (module doc)."""
     dev = resolve_device(device)
-    if dev.type == "cuda":
-        return "bfloat16"
-    return "bfloat16" if dev.type == "cpu" and native_bf16_cpu(cpuinfo)[0] else "float32"
+    native = dev.type == "cuda" or (dev.type == "cpu" and native_bf16_cpu(cpuinfo)[0])
+    return "bfloat16" if native else "float32"
 
 
 def resolve_build_dtype(dtype: str | None = None, cpuinfo: str | Path = "/proc/cpuinfo") -> str:

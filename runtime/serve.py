@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specstore.runtime.device import dtype_name
 from specstore.runtime.engine import Engine
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.serve_protocol import (
@@ -199,7 +200,7 @@ def create_app(engine: Engine, *, max_queue: int = 16, defaults: Defaults | None
                 for mid, ref in served_models().items()]
         return JSONResponse({"object": "list", "data": data})
 
-    dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")  # what decodes (--dtype auto resolved)
+    dtype = dtype_name(next(engine.model.parameters()).dtype)  # what decodes (--dtype auto resolved)
 
     async def health(request: Request) -> Response:
         return JSONResponse({
