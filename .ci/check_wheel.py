@@ -6,7 +6,8 @@ Usage: python check_wheel.py SOURCE_TREE
 - the installed package is the wheel's (inside this virtualenv), not the source tree;
 - every module of the source folders (schemas, runtime, pipelines) is in it, under specstore.*;
 - every module imports, and the runtime and schemas import without Beam;
-- ``specstore --help`` and each command's ``--help`` run from the console script, stderr empty.
+- ``specstore --help`` and each command's ``--help`` run from the console script, stderr empty;
+- the CPU kernel's C source (package data, compiled on the user's machine) is in it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def main() -> None:
         have = {p.relative_to(installed / top) for p in (installed / top).rglob("*.py")} if (installed / top).is_dir() else set()
         if want - have:
             fail(f"the wheel lacks {', '.join(sorted(f'{top}/{p}' for p in want - have))}")
+
+    kernel = installed / "runtime" / "csrc" / "small_gemm.c"
+    if not kernel.is_file():
+        fail("the wheel lacks runtime/csrc/small_gemm.c (the CPU kernel's source, package data)")
+    from specstore.runtime import gemm
+
+    if gemm.SOURCE.resolve() != kernel.resolve():
+        fail(f"the CPU kernel's source is read from {gemm.SOURCE}, not from the wheel")
+    if (source / "runtime" / "csrc" / "small_gemm.c").read_bytes() != kernel.read_bytes():
+        fail("the wheel's runtime/csrc/small_gemm.c differs from the source tree's")
 
     modules = []
     for top in TOP:  # schemas and runtime first: they must import without Beam

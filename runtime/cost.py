@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from specstore.runtime.device import cpu_model, dtype_name
+from specstore.runtime.linear import backend as linear_backend
 from specstore.runtime.models import cache_dir
 from specstore.runtime.tree import DraftTree
 
@@ -52,8 +53,9 @@ VERSION = 3  # of the cache file's layout (2: whole verification steps, not forw
 # tables (2: tree attention without copying the cache, attention.py; 3: bf16/fp16 1-token steps
 # packed on the CPU too; 4: CPU linears on weights packed once, linear.py; 5: bf16/fp16 CPU
 # attention over long caches through matmuls, attention.py; 6: products of up to 3 rows through
-# F.linear where it measured faster, linear.py)
-VERIFIER_REVISION = 6
+# F.linear where it measured faster, linear.py; 7: float32 and emulated-bf16 products of up to
+# gemm.MAX_ROWS rows through specstore's own kernel, gemm.py)
+VERIFIER_REVISION = 7
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians
@@ -250,14 +252,15 @@ def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]
 
 def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
     """What a measurement depends on: model hash, device (name; on the CPU its model name and
-    core count), dtype, torch, CPU threads, and the verifier's revision."""
+    core count), dtype, torch, CPU threads, the CPU's linear products (linear.backend: the
+    kernel switched off measures apart), and the verifier's revision."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:  # platform.processor() is empty on most Linux systems: the CPU's model name tells CPUs apart
         name = f"{platform.machine()} {cpu_model() or platform.processor()} x{os.cpu_count()}".strip()
     return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": dtype_name(dtype),
             "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
-            "verifier": VERIFIER_REVISION}
+            "linears": linear_backend(dtype) if device.type == "cpu" else None, "verifier": VERIFIER_REVISION}
 
 
 def cache_path(key: dict, root: Path | None = None) -> Path:

@@ -11,6 +11,11 @@ a whole bf16 step 57.5 -> 41.1 ms at 1 row, 75.2 -> 54.3 ms at 13 rows; the outp
 within 1e-3); float32 rounds differently (~1e-4) but the same way for plain decoding and every
 verification, as both run through it.
 
+specstore's own kernel (gemm.py) comes first where it runs: a weight whose dtype it takes
+(``_kernel_takes``: float32, and bf16 on CPUs without native bf16) is packed into its panels
+instead, products of up to ``gemm.MAX_ROWS`` rows go to it and larger ones to ``F.linear``;
+everything below is then not used for that weight.
+
 ``use_packed_linears(model)`` switches every ``nn.Linear`` of a CPU model to ``PackedLinear``
 (a subclass: same parameters and state dict) holding a packed copy of its weight, so
 hashes, tied embeddings, saving and copying are as before, at the price of a second copy of the
@@ -38,6 +43,9 @@ import statistics
 import time
 
 import torch
+
+from specstore.runtime import gemm
+from specstore.runtime.device import native_bf16_cpu
 
 _ATTR = "_specstore_packed"
 SMALL_ROWS = 3  # rows up to which F.linear may take a product (module doc, small products)
@@ -73,12 +81,17 @@ def _state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
 
 
 def _pack(module: torch.nn.Linear) -> tuple:
-    """Pack ``module``'s weight and check the packed product against ``F.linear``; holds and
-    returns ``(packed weight, _state, detached bias, small inputs to F.linear)``, the packed weight
-    None (remembered until the weight changes) where this torch build or CPU cannot (e.g. fp16
-    without AVX-512 fp16)."""
+    """Pack ``module``'s weight for the products decoding runs; holds and returns ``(oneDNN
+    packed weight, _state, detached bias, small inputs to F.linear, kernel panels)``. Where
+    specstore's own kernel takes the dtype here (``_kernel_takes``) it gets panels (gemm.pack)
+    and no oneDNN copy is made: larger products go to ``F.linear``. Otherwise the oneDNN copy,
+    checked against ``F.linear``, None (remembered until the weight changes) where this torch
+    build or CPU cannot pack it (e.g. fp16 without AVX-512 fp16)."""
     weight = module.weight.detach()
-    bias = None if module.bias is None else module.bias.detach()
+    bias = None if module.bias is None else module.bias.detach().contiguous()
+    if weight.device.type == "cpu" and weight.dim() == 2 and _kernel_takes(weight.dtype):
+        held = module.__dict__[_ATTR] = (None, _state(module.weight, module.bias), bias, False, gemm.pack(weight))
+        return held
     packed = None
     if weight.device.type == "cpu":
         try:
@@ -94,8 +107,19 @@ def _pack(module: torch.nn.Linear) -> tuple:
         except RuntimeError:
             packed = None
     small = packed is not None and small_rows_plain(weight, packed, bias)
-    held = module.__dict__[_ATTR] = (packed, _state(module.weight, module.bias), bias, small)
+    held = module.__dict__[_ATTR] = (packed, _state(module.weight, module.bias), bias, small, None)
     return held
+
+
+def _kernel_takes(dtype: torch.dtype) -> bool:
+    """Whether specstore's kernel (gemm.py) takes this dtype's few-row products here: float32
+    wherever it runs; bf16 only on CPUs without native bf16 (with AMX or AVX-512 bf16, oneDNN's
+    bf16 products are the faster ones)."""
+    if dtype == torch.float32:
+        return gemm.available()
+    if dtype == torch.bfloat16:
+        return gemm.available() and not native_bf16_cpu()[0]
+    return False
 
 
 def _seconds(fn, x: torch.Tensor, reps: int) -> float:
@@ -144,9 +168,12 @@ class PackedLinear(torch.nn.Linear):
         held = self.__dict__.get(_ATTR)
         if held is None or held[1] != _state(weight, params["bias"]):
             held = _pack(self)
-        if (held[0] is None or not x.is_cpu or x.dtype != weight.dtype
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                or (held[3] and x.numel() <= SMALL_ROWS * x.shape[-1])):
+        if (not x.is_cpu or x.dtype != weight.dtype
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return torch.nn.functional.linear(x, weight, params["bias"])
+        if held[4] is not None and x.numel() <= gemm.MAX_ROWS * x.shape[-1]:
+            return gemm.linear(x, held[4], held[2], weight.shape[0])
+        if held[0] is None or (held[3] and x.numel() <= SMALL_ROWS * x.shape[-1]):
             return torch.nn.functional.linear(x, weight, params["bias"])
         return torch.ops.mkldnn._linear_pointwise(x, held[0], held[2], "none", [], "")
 
@@ -156,10 +183,19 @@ class PackedLinear(torch.nn.Linear):
         return state
 
 
+def backend(dtype: torch.dtype) -> str:
+    """Which product a CPU model's linears of ``dtype`` run on at decoding's row counts:
+    ``"specstore"`` (gemm.py's kernel), ``"onednn"`` (packed weights, F.linear for small
+    products where that measured faster) or ``"torch"`` (F.linear: switched off)."""
+    if not _available():
+        return "torch"
+    return "specstore" if _kernel_takes(dtype) else "onednn"
+
+
 def is_packed(module: torch.nn.Module) -> bool:
     """True when ``module`` runs on a packed weight (packed at its last call or when switched)."""
     held = getattr(module, "__dict__", {}).get(_ATTR)
-    return isinstance(module, PackedLinear) and held is not None and held[0] is not None
+    return isinstance(module, PackedLinear) and held is not None and (held[0] is not None or held[4] is not None)
 
 
 def use_packed_linears(model: torch.nn.Module) -> int:

@@ -1,0 +1,209 @@
+"""specstore's own product kernel for decoding's few-row products on the CPU (csrc/small_gemm.c).
+
+A decoding step multiplies each weight of the model by 1 to ~65 rows. There a product should
+cost what reading its weight from memory costs, and each further row little: the kernel reads
+each weight once, in panels of 16 outputs packed once, and every row multiplies it while it is
+in registers (AVX2 + FMA, float32 accumulation). On this project's 2-core AMD EPYC (AVX2, no
+AVX-512), the 210 projections of the default model's 30 layers, float32, cold caches
+(``benchmarks/small_gemm.py``; docs/decoding.md has the table): oneDNN's packed product 31-44 ms
+at 1-5 rows, 81 at 9, 94 at 17; this kernel 19-24 ms at 1-5 rows (the memory's bandwidth), 38 at
+9, 52 at 17. It also makes a row's result independent of how many rows are multiplied with
+it, bit for bit (the accumulation order is fixed: csrc/small_gemm.c), so plain decoding and a
+tree verification agree exactly in the linear layers.
+
+``library()`` compiles the C source once per machine with the system's C compiler (``$CC``, else
+``cc`` / ``gcc``) into ``cache_dir()/kernels`` (keyed by the source, the flags and the
+compiler), loads it and checks it against ``torch.nn.functional.linear``; it is None, with
+``unavailable_reason()`` saying why, where the CPU lacks AVX2 or FMA, no compiler works, the
+check fails, or ``SPECSTORE_CPU_KERNEL=0``. Threads: OpenMP, the same runtime torch runs on
+(torch's ``libgomp.so.1`` is loaded first, and the kernel's reference to that name resolves to
+it), as many as ``torch.get_num_threads()``; where a second OpenMP runtime would be loaded the
+kernel is not used (two thread pools spinning on 2 cores slow each other several times over).
+
+linear.py routes products of up to ``MAX_ROWS`` rows here (float32 always; bf16 on CPUs
+without native bf16, where oneDNN emulates it); larger ones (a prompt's prefill) keep torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from specstore.runtime.device import cpu_flags
+from specstore.runtime.models import cache_dir
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.c"
+ABI = 1  # specstore_gemm_abi() of the source this module speaks to
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+NB = 16  # outputs per panel (csrc/small_gemm.c)
+# products of up to this many rows go to the kernel: a 64-node tree and its pending token, with
+# room; at 65 rows it still beat oneDNN here on every shape of the default model (the head:
+# 32.8 against 34.3 ms), at 129 it did not (63.3 against 56.5 ms)
+MAX_ROWS = 72
+_OPENMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not used here (None when it is); loads it first if not yet tried."""
+    library()
+    return _reason
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, compiled and checked on first use (module doc); None where it cannot run."""
+    global _lib, _reason, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            try:
+                _lib, _reason = _load()
+            except Exception as exc:  # never let the fast path break decoding: torch's products remain
+                _lib, _reason = None, f"the kernel could not be loaded ({type(exc).__name__}: {exc})"
+            _loaded = True
+    return _lib
+
+
+def _reset_for_tests() -> None:
+    global _lib, _reason, _loaded
+    with _lock:
+        _lib, _reason, _loaded = None, None, False
+
+
+def _compiler() -> list[str] | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc.split()
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _openmp_libraries() -> set[str]:
+    """Files of OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if len(line.split()) >= 6}
+    except OSError:
+        return set()
+    return {os.path.realpath(p) for p in paths if any(Path(p).name.startswith(n) for n in _OPENMP_NAMES)}
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECSTORE_CPU_KERNEL", "1") == "0":
+        return None, "SPECSTORE_CPU_KERNEL=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the kernel is written for x86-64 (AVX2), this is {platform.machine()}"
+    missing = {"avx2", "fma"} - cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"the C compiler {cc[0]} does not run ({exc})"
+    key = hashlib.sha256(source + repr((FLAGS, cc, version)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"small_gemm-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                return None, f"compiling {SOURCE.name} failed: {(done.stderr or done.stdout).strip()[-400:]}"
+            os.replace(tmp, target)  # atomic: concurrent processes each compile, one file wins
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    before = _openmp_libraries()
+    lib = ctypes.CDLL(str(target))
+    after = _openmp_libraries()
+    if len(after) > 1 and after != before:
+        return None, f"the kernel would run a second OpenMP runtime beside torch's ({', '.join(sorted(after))})"
+    if lib.specstore_gemm_abi() != ABI:
+        return None, f"{target} speaks ABI {lib.specstore_gemm_abi()}, not {ABI}"
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.specstore_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i32]
+    lib.specstore_linear_f32.restype = None
+    lib.specstore_linear_bf16.argtypes = [p, i64, p, p, p, i64, i64, i32]
+    lib.specstore_linear_bf16.restype = i32
+    problem = _self_check(lib)
+    if problem:
+        return None, problem
+    return lib, None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] (float32 or bf16) as the kernel's panels: [ceil(n / 16), k, 16],
+    zero-padded past n."""
+    n, k = weight.shape
+    blocks = -(-n // NB)
+    padded = weight.detach()
+    if blocks * NB != n:
+        padded = torch.cat([padded, padded.new_zeros(blocks * NB - n, k)])
+    return padded.reshape(blocks, NB, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panel: torch.Tensor, bias: torch.Tensor | None, n: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [..., k] (the weight as ``pack`` gave it, n outputs),
+    in ``x``'s dtype (float32 or bf16, the panel's)."""
+    lib = lib or _lib or library()
+    k = x.shape[-1]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows = x.numel() // k if k else 0
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    threads = torch.get_num_threads()
+    b = None if bias is None else bias.data_ptr()
+    if x.dtype == torch.float32:
+        lib.specstore_linear_f32(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads)
+    elif lib.specstore_linear_bf16(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads) != 0:
+        raise MemoryError("small_gemm: no memory for a float32 copy of the inputs")
+    return out
+
+
+def _self_check(lib: ctypes.CDLL) -> str | None:
+    """The compiled kernel against float64 products, on shapes that take every path (a partial
+    last panel, a bias, row counts across register blocks); a message where it is wrong."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        for n, k, rows, with_bias in ((40, 33, 1, False), (37, 70, 7, True), (16, 8, 13, True)):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+            got = linear(x, pack(w), bias, n, lib).double()
+            want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            if not torch.allclose(got, want, rtol=tol, atol=tol * max(1.0, float(want.abs().max()))):
+                err = float((got - want).abs().max())
+                warnings.warn(f"specstore's CPU kernel gave wrong products here (max error {err:.3g}); not using it", stacklevel=3)
+                return f"the compiled kernel failed its check ({dtype}, {n}x{k}, {rows} rows: max error {err:.3g})"
+    return None

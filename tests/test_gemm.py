@@ -1,0 +1,193 @@
+"""specstore's few-row product kernel (runtime/gemm.py, csrc/small_gemm.c): products equal to
+float64 ones within rounding on every path (partial panels, biases, register blocks, panel
+turns, groups of rows); each row's result bitwise the same whatever rows and threads it is
+computed with; bf16 rounding as torch rounds; linear.py routing decoding's products to it
+and larger ones to F.linear; a weight changed in place packed again; the off switch and a
+broken compiler leaving torch's products in place; greedy decoding unchanged through it."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from specstore.runtime import gemm, linear
+from specstore.runtime.linear import PackedLinear, is_packed, use_packed_linears
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import TreeVerifier
+from tests.decoding_helpers import tiny_lm
+
+needs_kernel = pytest.mark.skipif(not gemm.available(), reason=f"no CPU kernel here: {gemm.unavailable_reason()}")
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return gemm.linear(x, gemm.pack(w), bias, w.shape[0])
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.double() @ w.double().T + (0 if bias is None else bias.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(16, 8), (37, 70), (200, 300), (48, 1000)])
+def test_products_equal_float64_within_rounding(dtype, n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    for rows in (1, 2, 5, 6, 7, 9, 13, 65, gemm.MAX_ROWS, gemm.MAX_ROWS + 5):
+        for b in (None, bias):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            got = _product(x, w, b)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            want = _reference(x, w, b)
+            # float32: a sum of k products in float32; bf16: then rounded to 8 bits
+            tol = 1e-5 * k ** 0.5 if dtype == torch.float32 else 8e-3
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(dtype):
+    """Plain decoding multiplies 1 row, a verification up to MAX_ROWS: the same row gives the
+    same bits in both, at any position, with any number of threads."""
+    g = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(100, 600, generator=g).to(dtype), torch.randn(100, generator=g).to(dtype)
+    panel = gemm.pack(w)
+    x = torch.randn(gemm.MAX_ROWS, 600, generator=g).to(dtype)
+    alone = torch.cat([gemm.linear(x[i : i + 1], panel, bias, 100) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for count in sorted({1, 2, threads}):
+            torch.set_num_threads(count)
+            for rows in (2, 5, 9, 17, 40, gemm.MAX_ROWS):
+                assert torch.equal(gemm.linear(x[:rows], panel, bias, 100), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_bf16_outputs_round_as_torch_rounds():
+    """With k = 1 every product of two bf16 values is exact in float32 and the bias is one float32
+    addition, so the kernel's bf16 output is torch's float32 result rounded: to nearest, ties to
+    even, infinities and NaNs kept."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 1, generator=g).to(torch.bfloat16)
+    bias = torch.randn(64, generator=g).to(torch.bfloat16)
+    x = torch.randn(30, 1, generator=g).to(torch.bfloat16)
+    x[0, 0], x[1, 0] = float("inf"), float("nan")
+    got = _product(x, w, bias)
+    want = (x.float() @ w.float().T + bias.float()).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@needs_kernel
+def test_inputs_of_any_layout_and_empty_ones():
+    w = torch.randn(24, 40)
+    x = torch.randn(40, 3).T  # not contiguous
+    torch.testing.assert_close(_product(x, w, None).double(), _reference(x, w, None), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(1, 4, 40)
+    assert _product(x3, w, None).shape == (1, 4, 24)
+    assert _product(torch.randn(0, 40), w, None).shape == (0, 24)
+
+
+@needs_kernel
+def test_linear_routes_decoding_products_to_the_kernel_and_larger_ones_to_torch(monkeypatch):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 160).eval()
+    assert use_packed_linears(torch.nn.Sequential(layer)) == 1 and is_packed(layer)
+    rows_seen = []
+    product = gemm.linear
+    monkeypatch.setattr(gemm, "linear", lambda x, *a: rows_seen.append(x.numel() // x.shape[-1]) or product(x, *a))
+    with torch.inference_mode():
+        for rows in (1, 9, gemm.MAX_ROWS, gemm.MAX_ROWS + 1, 300):
+            x = torch.randn(1, rows, 96)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert rows_seen == [1, 9, gemm.MAX_ROWS]
+    assert layer.__dict__[linear._ATTR][0] is None  # no oneDNN copy beside the kernel's panels
+
+
+@needs_kernel
+def test_a_weight_changed_in_place_is_packed_again_and_a_copy_packs_its_own():
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(64, 48).eval()
+    use_packed_linears(torch.nn.Sequential(layer))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x), 2 * first - layer.bias, rtol=1e-5, atol=1e-5)
+        twin = copy.deepcopy(layer)
+        twin.weight.zero_()
+        torch.testing.assert_close(twin(x), twin.bias.expand(3, -1))
+        torch.testing.assert_close(layer(x), 2 * first - layer.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_the_off_switch_and_a_broken_compiler_leave_torchs_products(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSTORE_CACHE", str(tmp_path))
+    try:
+        monkeypatch.setenv("SPECSTORE_CPU_KERNEL", "0")
+        gemm._reset_for_tests()
+        assert gemm.library() is None and gemm.unavailable_reason() == "SPECSTORE_CPU_KERNEL=0"
+        monkeypatch.delenv("SPECSTORE_CPU_KERNEL")
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails
+        monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
+        gemm._reset_for_tests()
+        assert gemm.library() is None and "compiling small_gemm.c failed" in gemm.unavailable_reason()
+        assert not list((tmp_path / "kernels").glob("*"))  # no half-written library left behind
+        layer = torch.nn.Linear(32, 16).eval()
+        model = torch.nn.Sequential(layer)
+        assert use_packed_linears(model) == 1 and layer.__dict__[linear._ATTR][4] is None  # oneDNN's copy instead
+        x = torch.randn(2, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    finally:
+        gemm._reset_for_tests()
+
+
+@needs_kernel
+def test_the_kernel_is_compiled_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSTORE_CACHE", str(tmp_path))
+    try:
+        gemm._reset_for_tests()
+        assert gemm.library() is not None
+        built = list((tmp_path / "kernels").glob("small_gemm-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        gemm._reset_for_tests()
+        assert gemm.library() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        gemm._reset_for_tests()
+
+
+@needs_kernel
+def test_greedy_decoding_through_the_kernel_matches_torchs_products(monkeypatch):
+    """A tiny llama verified step by step (trees and plain steps) with the kernel and with
+    torch's own products: the same tokens, logits within float32 rounding."""
+    prompt = np.random.default_rng(5).integers(3, 200, size=24).tolist()
+    tree = DraftTree.from_paths([[7, 8, 9], [7, 11], [12]])
+    out = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(linear, "_kernel_takes", lambda dtype, on=kernel: on and dtype == torch.float32)
+        monkeypatch.setenv("SPECSTORE_PACKED_LINEARS", "1" if kernel else "0")
+        model = copy.deepcopy(tiny_lm("llama")[0])
+        for m in model.modules():
+            if isinstance(m, PackedLinear):
+                m.__class__ = torch.nn.Linear
+                m.__dict__.pop(linear._ATTR, None)
+        verifier = TreeVerifier(model)
+        assert all(is_packed(m) == kernel for m in model.modules() if isinstance(m, torch.nn.Linear))
+        pending = verifier.prefill(prompt).bonus
+        logits, tokens = [], []
+        for i in range(10):
+            row = verifier.step(pending, tree if i % 2 else DraftTree.empty())
+            logits.append(row.logits.float())
+            tokens += row.result.accepted_tokens + [row.result.bonus]
+            pending = row.result.bonus
+        out[kernel] = (torch.stack(logits), tokens)
+    assert out[True][1] == out[False][1]
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
