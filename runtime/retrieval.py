@@ -43,7 +43,7 @@ class Continuation:
 
     offset: int
     tokens: list[int]
-    match: int = 0  # context: the length of the n-gram it continues (0 where not recorded)
+    match: int = 0  # context: the length of the context suffix it continues (0 where not recorded)
 
 
 # --- context -------------------------------------------------------------------------------
@@ -77,14 +77,28 @@ def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> t
     return n, (ends[matched == n] + 1).astype(np.int64)
 
 
+def matched_back(tokens: np.ndarray, start: int, cap: int) -> int:
+    """How many tokens before offset ``start`` equal the context's last ones (``tokens[start - 1]``
+    against ``tokens[-1]``, and so on back), at most ``cap``."""
+    k = min(int(cap), int(start))
+    if k <= 0:
+        return 0
+    same = tokens[start - k : start][::-1] == tokens[len(tokens) - k :][::-1]
+    return k if bool(same.all()) else int(np.argmin(same))
+
+
 def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: int, min_ngram: int = 1, *,
-                          full_first: bool = True) -> list[Continuation]:
+                          full_first: bool = True, match_cap: int = 0) -> list[Continuation]:
     """Up to ``num`` distinct continuations (at most ``length`` tokens) of the longest matching
     suffix n-gram: those with a full ``length`` tokens first, the most recent first, then the
     ones cut by the context's end, longest first. Prompt lookup's rule (drafters/pld.py): in a
     repetitive stream the most recent occurrence ends just before the end of the context and
     would draft one token, where an earlier one drafts the whole run. ``full_first=False``: the
-    most recent first, whatever their length (the order before 2026-12-01)."""
+    most recent first, whatever their length (the order before 2026-12-01).
+
+    Each continuation's ``match`` is the n-gram's length; with ``match_cap`` above it, how far
+    back its occurrence matches the context's end, up to ``match_cap`` tokens: a copy of a long
+    span of the context shows as a long match, where the n-gram stops at ``max_ngram``."""
     n, starts = context_matches(tokens, max_ngram, min_ngram)
     size = len(tokens)
     if full_first:
@@ -97,7 +111,7 @@ def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: 
         if tuple(draft) in seen:
             continue
         seen.add(tuple(draft))
-        out.append(Continuation(start, draft, n))
+        out.append(Continuation(start, draft, matched_back(tokens, start, match_cap) if match_cap > n else n))
         if len(out) >= num:
             break
     return out

@@ -108,6 +108,24 @@ def test_observe_credits_each_candidate_with_its_accepted_prefix():
     assert drafter.scores == {("context", -3): 0.5 + 1.5, ("suffix", -9): 0.5 + 1.0, ("dense", 4): 0.5}
 
 
+@pytest.mark.parametrize("source_prior", [True, False])
+def test_a_new_key_starts_at_its_sources_score_where_that_is_higher(source_prior):
+    drafter = ReSpecDrafter(None, ReSpecConfig(ema_alpha=0.5, prior_score=1.0, source_prior=source_prior), StubDrafter())
+    state = DecodeState(tokens=[1, 5, 6, 7, 2], num_prompt=1)
+    for _ in range(3):  # three steps: one context thread accepted whole (4), another 2 of 3, a dense one none
+        paths = {("context", -3): [5, 6, 7, 8], ("context", -7): [5, 6, 9], ("dense", 4): [3]}
+        tree = DraftTree.from_paths(paths.values())
+        tree.meta["candidate_keys"] = list(paths)
+        drafter.observe(state, tree, VerifyResult(tree.paths[0], [5, 6, 7, 8], 2, len(tree)))
+    # per step the source's best candidate counts once: 1 -> 2.5 -> 3.25 -> 3.625
+    assert drafter.source_scores == {"context": 3.625, "dense": 0.125}
+    assert drafter.score(("context", -3)) == pytest.approx(0.5 * (0.5 * (0.5 * 1 + 2) + 2) + 2)  # its own EMA
+    assert drafter.score(("context", 40)) == (3.625 if source_prior else 1.0)  # a new thread of a source on a roll
+    assert drafter.score(("dense", 40)) == 1.0  # a failing source's new threads keep the prior's try
+    drafter.reset([1])
+    assert drafter.score(("context", 40)) == 1.0 and drafter.source_scores == {}
+
+
 class FixedPool:
     """A candidate pool that always offers copies of the same candidates."""
 
@@ -185,6 +203,11 @@ def test_context_continuations_record_their_match_length():
     tokens = np.array([5, 6, 7, 8, 9, 1, 2, 6, 7, 8])  # suffix 6 7 8 occurs at 1..3: a 3-gram, continued by 9 1 2
     found = context_continuations(tokens, 3, 2, max_ngram=4)
     assert [(c.offset, c.tokens, c.match) for c in found] == [(4, [9, 1, 2], 3)]
+    # match_cap: how far back the occurrence matches, past max_ngram (a copy of a long span)
+    copy = np.array([1, 2, 3, 4, 5, 6, 9, 0, 7, 2, 3, 4, 5, 6])  # 2..6 again: a 5-token match
+    assert [c.match for c in context_continuations(copy, 3, 1, max_ngram=2)] == [2]
+    assert [(c.offset, c.match) for c in context_continuations(copy, 3, 1, max_ngram=2, match_cap=16)] == [(6, 5)]
+    assert [c.match for c in context_continuations(copy, 3, 1, max_ngram=2, match_cap=4)] == [4]
 
 
 @pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf}, {"entropy_threshold": math.inf, "length_factor": 0.0}])

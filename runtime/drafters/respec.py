@@ -11,11 +11,15 @@ rule (relaxed.py):
 2. Scores. Every candidate key (source + match thread, see respec_pool.py) has an EMA of the
    number of its draft tokens the target accepted when it was used:
    ``score <- (1 - ema_alpha) * score + ema_alpha * accepted``; an unseen key starts at
-   ``prior_score``. Updated in ``observe`` from ``tree.meta["candidate_keys"]`` (one per
-   path), ``tree.paths`` and ``result.accepted_nodes``. Scores live for one request.
+   ``prior_score``, or at its source's score where that is higher: the same EMA, once a step,
+   of what the source's best candidate accepted (``source_prior=False``: always
+   ``prior_score``), so a new match thread of a source that keeps being accepted (an answer
+   copying from the prompt) drafts as long as the old ones, and a failing source's new threads
+   still get the prior's try. Updated in ``observe`` from ``tree.meta["candidate_keys"]``
+   (one per path), ``tree.paths`` and ``result.accepted_nodes``. Scores live for one request.
 3. Selection. Candidates with ``score >= score_threshold``, best score first (ties: the pool's
    order, which interleaves context, suffix array and dense by rank), at most ``max_candidates``,
-   each cut to ``ceil(length_factor x score) + 1`` tokens (a new key: 3), merged into one trie of
+   each cut to ``ceil(length_factor x score) + 1`` tokens (a new key: its source's score), merged into one trie of
    at most ``max_nodes`` nodes. Candidates under the threshold never reach the verifier. A
    context (prompt lookup) candidate that continues a match of the pool's longest n-gram
    (``pool.max_ngram`` tokens, the pending one included) is cut to ``context_length`` instead,
@@ -66,7 +70,7 @@ from specstore.runtime.verify import VerifyResult
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
 SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3}
 SCORE_EDGES = (0.75, 1.5, 3.0, 6.0)  # EMA score bins of the cost-aware signal
-MATCH_EDGES = (2, 4, 8)  # bins of the context suffix a candidate continues (its ``match``)
+MATCH_EDGES = (2, 4, 8, 16)  # bins of the context suffix a candidate continues (its ``match``; 16: a long copy)
 SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
 FALLBACK_BUCKET = 1000  # cost-aware buckets of fallback drafts start here
 
@@ -76,6 +80,11 @@ class ReSpecConfig:
     entropy_threshold: float = 4.0  # nats; retrieve only below it (inf = always, 0 = never)
     score_threshold: float = 0.5  # EMA accepted tokens a candidate needs to be drafted
     prior_score: float = 1.0  # EMA of a key never used before
+    # a key never used before starts at its source's EMA in this request (once a step, what the
+    # source's best candidate accepted; same ema_alpha) where that is above prior_score: a new
+    # match thread of a source that has been drafting well (a prompt whose answer copies from it)
+    # drafts like one (False: prior_score always)
+    source_prior: bool = True
     ema_alpha: float = 0.5  # weight of the newest observation
     max_candidates: int = 3  # candidates merged per step
     max_nodes: int = 24  # trie size cap (CPU verification: every node must earn its place)
@@ -143,11 +152,12 @@ class ReSpecDrafter:
         # the verifier's acceptance rule for this drafter's trees (None: the sampling rule)
         self.acceptance = RelaxedRule(self.config.relaxed_top_k, self.config.relaxed_ratio) if self.config.relaxed else None
         self.scores: dict[tuple[str, int], float] = {}
+        self.source_scores: dict[str, float] = {}  # per source, the EMA of every use of its keys
         self.num_retrieved_steps = 0  # steps whose tree came from qualifying candidates
         self.num_fallback_steps = 0
 
     def reset(self, prompt_ids: list[int]) -> None:
-        self.scores = {}
+        self.scores, self.source_scores = {}, {}
         self.num_retrieved_steps = self.num_fallback_steps = 0
         self.overlay_use = OverlayUse()
         self.fallback.reset(prompt_ids)
@@ -157,13 +167,23 @@ class ReSpecDrafter:
         return self.overlay_use.to_dict() if self.overlay is not None else None
 
     def score(self, key: tuple[str, int]) -> float:
-        return self.scores.get(key, self.config.prior_score)
+        if key in self.scores:
+            return self.scores[key]
+        if self.config.source_prior:
+            return max(self.source_scores.get(key[0], 0.0), self.config.prior_score)
+        return self.config.prior_score
 
     def update(self, key: tuple[str, int], accepted: int) -> float:
         """One EMA step for ``key`` (module docstring, point 2)."""
         a = self.config.ema_alpha
         self.scores[key] = (1.0 - a) * self.score(key) + a * accepted
         return self.scores[key]
+
+    def update_source(self, source: str, accepted: int) -> float:
+        """One EMA step for ``source``: what its best candidate of a step had accepted."""
+        a = self.config.ema_alpha
+        self.source_scores[source] = (1.0 - a) * self.source_scores.get(source, self.config.prior_score) + a * accepted
+        return self.source_scores[source]
 
     def draft_length_for(self, key: tuple[str, int], limit: int) -> int:
         """Tokens a candidate may draft: ``ceil(length_factor x score) + 1``, within ``limit``."""
@@ -251,13 +271,17 @@ class ReSpecDrafter:
         if not keys:
             return
         accepted = set(result.accepted_nodes)
+        best: dict[str, int] = {}
         for key, nodes in zip(keys, tree.paths, strict=True):
             if not nodes:  # cut by the node cap or the budget: it never reached the verifier
                 continue
             count = 0
             while count < len(nodes) and nodes[count] in accepted:
                 count += 1
+            best[key[0]] = max(best.get(key[0], 0), count)
             self.update(key, count)
+        for source, count in best.items():  # after every key's own step: a new key's start is the old score
+            self.update_source(source, count)
 
 
 def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, overlay=None,

@@ -44,7 +44,8 @@ class Candidate:
     key: tuple[str, int]
     tokens: list[int]  # draft tokens after the pending token
     # the length of the context suffix they continue (pending token included): context candidates
-    # their n-gram, suffix-array and overlay ones the longest suffix found; dense ones 0
+    # how far back their occurrence matches (at most max_span; at least the n-gram), suffix-array
+    # and overlay ones the longest suffix found (at most max_span); dense ones 0
     match: int = 0
 
     @property
@@ -60,7 +61,7 @@ class PoolConfig:
     num_overlay: int = 3  # distinct served-overlay continuations per step
     max_ngram: int = 4  # longest context n-gram tried (pending token included)
     min_ngram: int = 1
-    max_span: int = 16  # longest suffix tried in the datastore (REST)
+    max_span: int = 16  # longest suffix tried in the datastore (REST); also how far back a context match is measured
     min_span: int = 2
     max_matches: int = 64  # datastore occurrences read per step, spread evenly
     context_full_first: bool = True  # context continuations of full length first (False: most recent first)
@@ -96,7 +97,7 @@ class CandidatePool:
         if cfg.num_context > 0:
             tokens = np.asarray(state.tokens, dtype=np.int64)
             found = context_continuations(tokens, length, cfg.num_context, cfg.max_ngram, cfg.min_ngram,
-                                          full_first=cfg.context_full_first)
+                                          full_first=cfg.context_full_first, match_cap=cfg.max_span)
             per_source.append(_keyed("context", found, size))
         if self.overlay is not None and cfg.num_overlay > 0:
             sample = suffix_sample(self.overlay, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
