@@ -5,7 +5,8 @@ Owns measuring it (a few timed verification steps through the TreeVerifier, the 
 everything around it: warm-up first, then the median of repeats at node counts 0 (plain
 decoding, timed ``PLAIN_REPEATS`` times as often: every tree is priced against it), 1, 2, 4, ...
 64 and at two context lengths), the fit (per context, plain decoding as measured and a
-least-squares line in nodes through the tree sizes, with a non-negative slope; linear between
+least-squares hinge in nodes through the tree sizes: flat up to a knee, then a line with a
+non-negative slope (``_hinge``); linear between
 contexts), the per-request prefill (a fresh verifier and the prompt's forward, timed at
 ``PREFILL_LENGTHS`` prompt tokens, a line in them: what every method pays once per prompt, which
 the bench's wall times hold and the simulator's speed prediction must too), and the JSON cache under
@@ -66,9 +67,13 @@ PAD_MARGIN = 0.1
 class CostModel:
     """``seconds[i][j]``: median seconds of one verification forward over ``nodes[j]`` tree
     nodes (plus the pending token) after ``contexts[i]`` cached tokens; ``plain[i]``: plain
-    decoding's (0 nodes) seconds at context i, as measured; ``fit[i]``: the line ``(a, b)``
-    fitted to row i's tree sizes (seconds = a + b * nodes for nodes >= 1), which the predictions
-    use: a small parametric fit, so that the noise of single medians does not shape the trees.
+    decoding's (0 nodes) seconds at context i, as measured; ``fit[i]``: the hinge
+    ``(a, b, knee)`` fitted to row i's tree sizes (seconds = a + b * max(nodes - knee, 0) for
+    nodes >= 1), which the predictions use: a small parametric fit, so that the noise of single
+    medians does not shape the trees. The knee is where a forward's extra rows start to cost:
+    on a CPU the products cost what reading the weights costs up to a few rows (runtime/gemm.py),
+    on a GPU up to many; a plain line (knee 0) priced 1-node trees below plain decoding and
+    8-node ones 10% too dear on a CPU where 1-4 nodes are nearly free (BENCHMARKS.md).
 
     Plain decoding is not on the line: the step from no tree to a tree of one node costs what a
     masked multi-row forward costs over a 1-row one (on some CPUs in float32 28% of a step,
@@ -96,15 +101,15 @@ class CostModel:
         if list(self.nodes) != sorted(set(self.nodes)) or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError("node counts and contexts must be strictly increasing")
         self.pad_targets = _pad_targets(self.nodes, self.seconds)
-        # the line through what each tree size costs as verified (padded where padding is cheaper)
+        # the hinge through what each tree size costs as verified (padded where padding is cheaper)
         where = [self.nodes.index(t) for t in self.pad_targets]
         trees = [j for j, n in enumerate(self.nodes) if n > 0]
         self.fit, self.plain = [], []
         for row in self.seconds:
-            line = _line([self.nodes[j] for j in trees], [row[where[j]] for j in trees]) if trees else (row[0], 0.0)
-            self.fit.append(line)
-            # a table without a plain column (or trees only): plain decoding on the line at 0
-            self.plain.append(max(float(row[0]), 1e-9) if self.nodes[0] == 0 else line[0])
+            hinge = _hinge([self.nodes[j] for j in trees], [row[where[j]] for j in trees]) if trees else (row[0], 0.0, 0)
+            self.fit.append(hinge)
+            # a table without a plain column (or trees only): plain decoding on the fit at 0
+            self.plain.append(max(float(row[0]), 1e-9) if self.nodes[0] == 0 else hinge[0])
 
     def padded_nodes(self, nodes: int) -> int:
         """The node count to verify an ``nodes``-node tree as: ``nodes`` itself, or a larger
@@ -165,12 +170,13 @@ class CostModel:
 
     def table_seconds(self, nodes, context: int | None = None) -> np.ndarray | float:
         """The measured table's seconds: per context plain decoding's for 0 nodes and the
-        fitted line ``a + b * nodes`` for trees, linear between (and beyond) the measured
+        fitted hinge ``a + b * max(nodes - knee, 0)`` for trees, linear between (and beyond) the measured
         contexts."""
         if np.ndim(nodes) == 0:
             return self._scalar_seconds(float(nodes), context)
         n = np.asarray(nodes, dtype=float)
-        rows = [np.where(n > 0, a + b * n, t0) for (a, b), t0 in zip(self.fit, self.plain, strict=True)]
+        rows = [np.where(n > 0, a + b * np.maximum(n - knee, 0.0), t0)
+                for (a, b, knee), t0 in zip(self.fit, self.plain, strict=True)]
         if context is None or len(self.contexts) == 1:
             out = rows[0]
         else:
@@ -184,7 +190,8 @@ class CostModel:
         """``table_seconds`` of one node count in Python floats: the decode loop asks for a few
         every step (observe, the drafting overhead), right after a forward, where every numpy
         call runs on cold caches."""
-        rows = [t0 if nodes <= 0 else a + b * nodes for (a, b), t0 in zip(self.fit, self.plain, strict=True)]
+        rows = [t0 if nodes <= 0 else a + b * max(nodes - knee, 0.0)
+                for (a, b, knee), t0 in zip(self.fit, self.plain, strict=True)]
         if context is None or len(self.contexts) == 1:
             return float(rows[0])
         c0, c1 = self.contexts[0], self.contexts[-1]
@@ -236,6 +243,22 @@ def _pad_targets(nodes: Sequence[int], seconds: Sequence[Sequence[float]]) -> li
         cheaper = n > 0 and bool(np.all(table[:, best] < (1.0 - PAD_MARGIN) * table[:, j]))
         targets.append(int(nodes[best]) if cheaper else int(n))
     return targets
+
+
+def _hinge(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float, int]:
+    """``(a, b, knee)``: seconds = ``a + b * max(nodes - knee, 0)``, least squares for each knee
+    in 0 and the measured sizes but the two largest (a slope needs two points past its knee),
+    ``b >= 0`` as in ``_line``; the knee whose fit has the least squared *relative* error wins
+    (the smaller on ties), so small trees, where drafters live, weigh as much as 64-node ones.
+    Knee 0 is ``_line``'s fit, so the hinge never fits worse than the line."""
+    x, y = np.asarray(nodes, dtype=float), np.asarray(seconds, dtype=float)
+    best: tuple[float, tuple[float, float, int]] | None = None
+    for knee in [0, *sorted(set(int(n) for n in x))[:-2]]:
+        a, b = _line(np.maximum(x - knee, 0.0), y)
+        error = float(np.sum(((a + b * np.maximum(x - knee, 0.0) - y) / np.maximum(y, 1e-12)) ** 2))
+        if best is None or error < best[0] * (1.0 - 1e-6) - 1e-12:  # rounding alone never moves the knee
+            best = (error, (a, b, knee))
+    return best[1]
 
 
 def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:

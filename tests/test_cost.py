@@ -14,6 +14,8 @@ from specstore.runtime.cost import (
     CostModel,
     ForwardStep,
     PrefillStep,
+    _hinge,
+    _line,
     bushy_tree,
     cache_path,
     cost_key,
@@ -80,12 +82,40 @@ def test_fit_is_plain_decoding_and_a_line_never_falling_with_nodes_through_the_m
     cost = measure(timer.step, nodes=(0, 8, 16), contexts=(10,), repeats=3, clock=timer.clock)
     assert cost.seconds[0] == pytest.approx([1.0, 0.5, 0.48])  # medians
     assert cost.plain == [1.0]  # plain decoding as measured, off the trees' line
-    assert cost.fit[0] == pytest.approx((0.49, 0.0))  # a falling cost is noise: flat, through the trees' mean
+    assert cost.fit[0] == pytest.approx((0.49, 0.0, 0))  # a falling cost is noise: flat, through the trees' mean
     assert cost.seconds_for(0) == pytest.approx(1.0) and cost.seconds_for(8) == pytest.approx(0.49)
     assert cost.relative(64) == pytest.approx(0.49)
     noisy = CostModel([0, 1, 2, 4, 8, 16, 32, 64], [1], [[1.0, 1.3, 1.0, 1.0, 1.1, 1.2, 1.4, 1.8]], {})
-    a, b = noisy.fit[0]
+    a, b, knee = noisy.fit[0]
     assert 0.0 < b < 0.02 and noisy.relative(1) < 1.07  # one noisy median does not make one node dear
+
+
+def test_trees_are_priced_flat_up_to_the_knee_where_extra_rows_start_to_cost():
+    """A CPU kernel reads the weights once: 1-4 nodes cost what the first does, then each node
+    its arithmetic (the 2-core EPYC's table of 2026-12-04, ms). A line through all sizes priced a
+    1-node tree below plain decoding and an 8-node one 10% too dear; the hinge fits both."""
+    nodes = [0, 1, 2, 4, 8, 16, 32, 64]
+    knee_table = [0.040] + [0.041 if n <= 4 else 0.041 + 0.0022 * (n - 4) for n in nodes[1:]]
+    exact = CostModel(nodes, [128], [knee_table], {})
+    assert exact.fit[0] == pytest.approx((0.041, 0.0022, 4))
+    for n in range(1, 80):
+        assert exact.table_seconds(n, 128) == pytest.approx(0.041 + 0.0022 * max(n - 4, 0))
+    line = _line(nodes[1:], knee_table[1:])
+    assert (line[0] + line[1]) / 0.040 < 1.0  # the line's 1-node tree: cheaper than plain decoding
+    assert exact.relative(1) == pytest.approx(0.041 / 0.040)
+    # on a measured (noisy) table the hinge fits at least as well as the line, in relative error
+    measured = [37.9, 39.8, 35.6, 39.1, 45.8, 68.6, 107.6, 172.6]
+    a, b, knee = _hinge(nodes[1:], measured[1:])
+    la, lb = _line(nodes[1:], measured[1:])
+    x, y = np.array(nodes[1:], dtype=float), np.array(measured[1:])
+    assert np.sum(((a + b * np.maximum(x - knee, 0) - y) / y) ** 2) <= np.sum(((la + lb * x - y) / y) ** 2)
+    # a table that is a line is fitted as one (knee 0), a flat one as flat, and no slope falls
+    a, b, knee = _hinge([1, 2, 4, 8, 16], [0.02 + 0.001 * n for n in (1, 2, 4, 8, 16)])
+    assert knee <= 1 and all(a + b * max(n - knee, 0) == pytest.approx(0.02 + 0.001 * n) for n in range(1, 100))
+    assert _hinge([1, 8, 64], [0.05, 0.05, 0.05]) == pytest.approx((0.05, 0.0, 0))
+    assert _hinge([1], [0.05]) == pytest.approx((0.05, 0.0, 0))
+    for row in ([0.9, 0.5, 0.7, 0.2, 0.1], [0.1, 0.3, 0.2, 0.9, 0.4]):
+        assert _hinge([1, 2, 4, 8, 16], row)[1] >= 0.0
 
 
 def test_the_step_to_a_first_tree_node_is_priced_apart_from_the_slope():
@@ -509,10 +539,9 @@ def test_trees_are_padded_only_where_a_larger_forward_is_cheaper_at_every_contex
     dip = CostModel([0, 1, 2, 4, 8, 16], [128, 1024], [[0.080, 0.126, 0.152, 0.102, 0.121, 0.137],
                                                         [0.080, 0.127, 0.164, 0.107, 0.122, 0.145]], {})
     assert [dip.padded_nodes(n) for n in (0, 1, 2, 3, 4, 5, 8, 16, 40)] == [0, 4, 4, 3, 4, 5, 8, 16, 40]
-    # the prices are the padded forwards': the line runs through 0.102 for 1 and 2 nodes, not 0.126/0.152
-    a, b = dip.fit[0]
-    expected = np.polyfit([1, 2, 4, 8, 16], [0.102, 0.102, 0.102, 0.121, 0.137], 1)
-    assert (b, a) == pytest.approx(tuple(expected))
+    # the prices are the padded forwards': the fit runs through 0.102 for 1 and 2 nodes, not 0.126/0.152
+    assert dip.fit[0] == pytest.approx(_hinge([1, 2, 4, 8, 16], [0.102, 0.102, 0.102, 0.121, 0.137]))
+    assert dip.table_seconds(1, 128) == pytest.approx(0.102, abs=0.003) == dip.table_seconds(2, 128)
     flat = CostModel([0, 1, 2, 4, 8], [128], [[0.05, 0.051, 0.052, 0.053, 0.06]], {})
     assert all(flat.padded_nodes(n) == n for n in range(20))
     # a dip in one context only (a noisy median), or smaller than PAD_MARGIN: no padding
