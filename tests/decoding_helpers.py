@@ -67,3 +67,16 @@ class OracleDrafter:
 
     def observe(self, state, tree, result):
         pass
+
+
+def alternate_steps(verifier, prompt: list[int], tree: DraftTree, steps: int = 10) -> tuple[torch.Tensor, list[int]]:
+    """Prefill ``prompt``, then ``steps`` verifications alternating plain steps and ``tree``:
+    the float32 logits of each step's last accepted row [steps, V] and every committed token."""
+    pending = verifier.prefill(prompt).bonus
+    logits, tokens = [], []
+    for i in range(steps):
+        row = verifier.step(pending, tree if i % 2 else DraftTree.empty())
+        logits.append(row.logits.float())
+        tokens += row.result.accepted_tokens + [row.result.bonus]
+        pending = row.result.bonus
+    return torch.stack(logits), tokens

@@ -17,7 +17,7 @@ from specstore.runtime import gemm, linear
 from specstore.runtime.linear import PackedLinear, is_packed, use_packed_linears
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier
-from tests.decoding_helpers import tiny_lm
+from tests.decoding_helpers import alternate_steps, tiny_lm
 
 needs_kernel = pytest.mark.skipif(not gemm.available(), reason=f"no CPU kernel here: {gemm.unavailable_reason()}")
 
@@ -181,13 +181,6 @@ def test_greedy_decoding_through_the_kernel_matches_torchs_products(monkeypatch)
                 m.__dict__.pop(linear._ATTR, None)
         verifier = TreeVerifier(model)
         assert all(is_packed(m) == kernel for m in model.modules() if isinstance(m, torch.nn.Linear))
-        pending = verifier.prefill(prompt).bonus
-        logits, tokens = [], []
-        for i in range(10):
-            row = verifier.step(pending, tree if i % 2 else DraftTree.empty())
-            logits.append(row.logits.float())
-            tokens += row.result.accepted_tokens + [row.result.bonus]
-            pending = row.result.bonus
-        out[kernel] = (torch.stack(logits), tokens)
+        out[kernel] = alternate_steps(verifier, prompt, tree)
     assert out[True][1] == out[False][1]
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)

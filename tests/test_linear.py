@@ -18,7 +18,7 @@ from specstore.runtime.device import native_bf16_cpu
 from specstore.runtime.linear import PackedLinear, is_packed, use_packed_linears
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier
-from tests.decoding_helpers import tiny_lm
+from tests.decoding_helpers import alternate_steps, tiny_lm
 
 pytestmark = pytest.mark.skipif(not linear._available(), reason="this torch build has no oneDNN linear packing")
 
@@ -171,14 +171,7 @@ def test_the_verifier_packs_and_greedy_decoding_is_unchanged(dtype, monkeypatch)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert all(is_packed(m) for m in linears) == packed
         calls.clear()
-        pending = verifier.prefill(prompt).bonus
-        logits, tokens = [], []
-        for i in range(10):
-            row = verifier.step(pending, tree if i % 2 else DraftTree.empty())
-            logits.append(row.logits.float())
-            tokens += row.result.accepted_tokens + [row.result.bonus]
-            pending = row.result.bonus
-        out[packed] = (torch.stack(logits), tokens)
+        out[packed] = alternate_steps(verifier, prompt, tree)
         assert len(calls) == (11 * len(linears) if packed else 0)  # every linear of the prefill and each step
     assert out[True][1] == out[False][1]
     if dtype == torch.bfloat16 and native_bf16_cpu()[0]:
