@@ -72,10 +72,10 @@ class CostModel:
     nodes >= 1), which the predictions use: a small parametric fit, so that the noise of single
     medians does not shape the trees. The knee is where a forward's extra rows start to cost:
     on a CPU the products cost what reading the weights costs up to a few rows (runtime/gemm.py),
-    on a GPU up to many; a plain line (knee 0) priced 1-node trees below plain decoding and
-    8-node ones 10% too dear on a CPU where 1-4 nodes are nearly free (BENCHMARKS.md).
+    on a GPU up to many; a plain line (knee 0) lets the largest trees set the price of small
+    ones (docs/decoding.md has a measured table both ways).
 
-    Plain decoding is not on the line: the step from no tree to a tree of one node costs what a
+    Plain decoding is not on the fit: the step from no tree to a tree of one node costs what a
     masked multi-row forward costs over a 1-row one (on some CPUs in float32 28% of a step,
     BENCHMARKS.md), which a line through 0 would spread over the slope and price at ~2%."""
 
