@@ -84,7 +84,8 @@ class CostModel:
     seconds: list[list[float]]
     key: dict
     level: float = 1.0  # online: measured steps of plain decoding over the table's (observe)
-    tree_scale: float = 1.0  # online: what a step's tree part costs over the table's (observe)
+    tree_scale: float = 1.0  # online: the slope of a step's measured tree part on the table's (observe)
+    tree_offset: float = 0.0  # online: what any tree adds beyond that, relative to plain decoding (observe)
     observed: int = 0  # steps observed
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     # [[prompt tokens, seconds], ...]: a request's prefill as measured (empty: not measured)
@@ -94,6 +95,7 @@ class CostModel:
     # per measured node count, the node count its trees are verified as (padded_nodes)
     pad_targets: list[int] = field(init=False, default_factory=list)
     _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
+    _prior: list[float] | None = field(init=False, default=None, repr=False)  # observe's tree prior (never fades)
 
     def __post_init__(self) -> None:
         if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
@@ -124,10 +126,11 @@ class CostModel:
     def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
         """Predicted seconds of a verification step over ``nodes`` (int or array) tree nodes
         after ``context`` cached tokens (None: the first measured context): the measured table's
-        (``table_seconds``) with the online corrections: ``level * (t0 + tree_scale * (t - t0))``,
-        ``t0`` the table's plain decoding step at that context."""
+        (``table_seconds``) with the online corrections: ``level * (t0 + tree_scale * (t - t0))``
+        for plain decoding and ``level * t0 * tree_offset`` more for any tree, ``t0`` the table's
+        plain decoding step at that context."""
         t0 = self._scalar_seconds(0, context)
-        return self.level * (t0 + self.tree_scale * (self.table_seconds(nodes, context) - t0))
+        return self.level * t0 * self.relative(nodes, context)
 
     def prefill_seconds(self, tokens: int) -> float | None:
         """Predicted seconds of a request's prefill over a ``tokens``-token prompt (a fresh
@@ -143,16 +146,28 @@ class CostModel:
         """One verification step the decode loop timed: corrects the table online for what the
         machine does now (its load, clocks and caches drift; the table was measured once).
         Plain decoding steps (0 nodes) estimate ``level``, the ratio of measured to tabled
-        seconds; tree steps estimate ``tree_scale``, the least-squares ratio of their measured
-        extra over plain decoding (relative) to the table's. Both start where they are (1 for a
-        measured table) as ``ONLINE_PRIOR`` steps' worth, and every step, those included, fades
-        with a memory of ``ONLINE_MEMORY`` steps; each stays within [1/4, 4]."""
+        seconds, starting where it is (1 for a measured table) as ``ONLINE_PRIOR`` steps' worth
+        that fade like any step, with a memory of ``ONLINE_MEMORY`` steps.
+
+        Tree steps fit a line to their measured extra over plain decoding (relative, ``y``)
+        against the table's (``x``): ``y = tree_offset + tree_scale * x``, least squares over
+        the fading steps with a prior that does not fade, pulling the line to where it started:
+        its offset as ``ONLINE_PRIOR / 2`` steps' worth, its slope as ``ONLINE_PRIOR / 2`` steps
+        at the table's 8-node tree would. Two numbers, not one ratio, because a tree's cost
+        over the table's is not proportional: on a CPU what a masked multi-row forward adds over
+        a 1-row one is a near-constant the hinge smooths away, so a lone ratio learnt from
+        small trees reached 2.41 and priced 10-node chains at 1.94x a plain step, where a 9-node
+        step measured about 1.36x (BENCHMARKS.md). Small trees say little about the
+        slope, so it stays near where it was until trees of other sizes are seen. Bounds: level
+        and tree_scale in [1/4, 4], tree_offset in [-1/2, 2]."""
         if not self.online or not math.isfinite(seconds) or seconds <= 0:
             return
         t0 = self._scalar_seconds(0, context)
-        if self._sums is None:  # the current level and scale as ONLINE_PRIOR steps (fading like any step)
+        if self._sums is None:  # [level sum, level weight, then the trees': w, x, y, xx, xy]
+            self._sums = [ONLINE_PRIOR * self.level, ONLINE_PRIOR, 0.0, 0.0, 0.0, 0.0, 0.0]
             x8 = max(self._scalar_seconds(8, context) / t0 - 1.0, 1e-3)
-            self._sums = [ONLINE_PRIOR * self.level, ONLINE_PRIOR, ONLINE_PRIOR * self.tree_scale * x8 * x8, ONLINE_PRIOR * x8 * x8]
+            # the prior: (offset weight, offset, slope weight, slope)
+            self._prior = [ONLINE_PRIOR / 2, self.tree_offset, ONLINE_PRIOR / 2 * x8 * x8, self.tree_scale]
         decay = 1.0 - 1.0 / ONLINE_MEMORY
         self._sums = [x * decay for x in self._sums]
         if nodes <= 0:
@@ -161,12 +176,17 @@ class CostModel:
         else:
             x = self._scalar_seconds(nodes, context) / t0 - 1.0  # the table's relative tree part
             y = seconds / (self.level * t0) - 1.0  # the measured one
-            self._sums[2] += x * y
-            self._sums[3] += x * x
+            for k, v in enumerate((1.0, x, y, x * x, x * y), start=2):
+                self._sums[k] += v
         self.observed += 1
-        su, wu, sxy, sxx = self._sums
-        self.level = min(max(su / wu, 0.25), 4.0)
-        self.tree_scale = min(max(sxy / sxx, 0.25), 4.0)
+        self.level = min(max(self._sums[0] / self._sums[1], 0.25), 4.0)
+        w, sx, sy, sxx, sxy = self._sums[2:]
+        wc, c0, ws, s0 = self._prior
+        # minimise sum (y - c - s x)^2 + wc (c - c0)^2 + ws (s - s0)^2: a 2x2 system
+        a, b, d = w + wc, sx, sxx + ws
+        scale = (a * (sxy + ws * s0) - b * (sy + wc * c0)) / (a * d - b * b)
+        self.tree_scale = min(max(scale, 0.25), 4.0)
+        self.tree_offset = min(max((sy + wc * c0 - b * self.tree_scale) / a, -0.5), 2.0)
 
     def table_seconds(self, nodes, context: int | None = None) -> np.ndarray | float:
         """The measured table's seconds: per context plain decoding's for 0 nodes and the
@@ -200,13 +220,16 @@ class CostModel:
 
     def relative(self, nodes, context: int | None = None):
         """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context
-        (``level`` cancels)."""
+        (``level`` cancels): ``1 + tree_scale * (t / t0 - 1)``, plus ``tree_offset`` for a tree."""
         t0 = self._scalar_seconds(0, context)
-        return 1.0 + self.tree_scale * (self.table_seconds(nodes, context) / t0 - 1.0)
+        if np.ndim(nodes) == 0:
+            return 1.0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) / t0 - 1.0) + (self.tree_offset if nodes > 0 else 0.0)
+        n = np.asarray(nodes)
+        return 1.0 + self.tree_scale * (self.table_seconds(n, context) / t0 - 1.0) + np.where(n > 0, self.tree_offset, 0.0)
 
     def to_json(self) -> dict:
         out = {"version": VERSION, **asdict(self)}
-        del out["_sums"]
+        del out["_sums"], out["_prior"]
         return out
 
     def table_only(self) -> CostModel:
@@ -221,6 +244,7 @@ class CostModel:
         return cls([int(n) for n in data["nodes"]], [int(c) for c in data["contexts"]],
                    [[float(s) for s in row] for row in data["seconds"]], dict(data["key"]),
                    level=float(data.get("level", 1.0)), tree_scale=float(data.get("tree_scale", 1.0)),
+                   tree_offset=float(data.get("tree_offset", 0.0)),
                    observed=int(data.get("observed", 0)), online=bool(data.get("online", True)),
                    prefill=[[int(n), float(t)] for n, t in data.get("prefill", [])])
 

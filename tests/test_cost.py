@@ -519,6 +519,47 @@ def test_online_corrections_follow_the_measured_steps():
     assert (frozen.level, frozen.tree_scale, frozen.observed) == (1.0, 1.0, 0)
 
 
+def test_online_correction_fits_an_offset_so_small_trees_do_not_overprice_large_ones():
+    """A CPU's masked multi-row forward adds a near-constant over a 1-row one that the table's
+    hinge smooths away: small trees then measure several times the table's tiny extra. The
+    online line learns that as an offset and keeps the slope, so a 9-node tree (never seen) is
+    still priced near what it costs; a lone ratio (the old model) priced it at about twice its
+    extra. Seeing large trees too, the line fits both ends."""
+    nodes = (0, 1, 2, 4, 8, 16)
+
+    def hinge(n, c):  # a CPU's table: trees of up to 4 nodes cost about what plain decoding does
+        return linear(0, c) + (0.0003 + 0.001 * max(n - 4, 0) if n > 0 else 0.0)
+
+    table = CostModel(list(nodes), [100, 1000], [[hinge(n, c) for n in nodes] for c in (100, 1000)], {})
+
+    def truth(n, c):  # the machine now: any tree costs 4% of a plain step more than the table says
+        return hinge(n, c) + (0.04 * linear(0, c) if n > 0 else 0.0)
+
+    rng = np.random.default_rng(1)
+    for _ in range(800):  # only plain steps and trees of 1-3 nodes, as a cost-aware drafter prunes them
+        n, c = int(rng.choice([0, 1, 2, 3])), int(rng.integers(100, 1000))
+        table.observe(n, c, truth(n, c) * rng.uniform(0.99, 1.01))
+    c = 500
+    x9 = hinge(9, c) / linear(0, c) - 1.0  # the table's extra of a 9-node tree
+    assert table.tree_offset == pytest.approx(0.04, abs=0.01)
+    assert table.relative(2, c) == pytest.approx(truth(2, c) / linear(0, c), rel=0.01)
+    assert table.relative(9, c) == pytest.approx(truth(9, c) / linear(0, c), rel=0.03)
+    ratio = (truth(2, c) / linear(0, c) - 1.0) / (hinge(2, c) / linear(0, c) - 1.0)  # what one ratio would learn
+    assert ratio > 2 and 1 + ratio * x9 > table.relative(9, c) + 0.1
+    assert list(table.relative(np.array([0, 2, 9]), c)) == pytest.approx([1.0, table.relative(2, c), table.relative(9, c)])
+    assert table.seconds_for(9, c) == pytest.approx(table.level * linear(0, c) * table.relative(9, c))
+    for _ in range(800):  # now large trees too, whose extra is 1.5x the table's besides the offset
+        n, c = int(rng.choice([0, 2, 8, 16])), int(rng.integers(100, 1000))
+        t0 = linear(0, c)
+        table.observe(n, c, t0 + (0.04 * t0 + 1.5 * (hinge(n, c) - t0) if n > 0 else 0.0))
+    assert (table.tree_offset, table.tree_scale) == (pytest.approx(0.04, abs=0.01), pytest.approx(1.5, rel=0.05))
+    back = CostModel.from_json(json.loads(json.dumps(table.to_json())))
+    assert (back.tree_offset, back.tree_scale) == (table.tree_offset, table.tree_scale)
+    assert (table.table_only().tree_offset, table.table_only().tree_scale) == (0.0, 1.0)
+    old = CostModel.from_json({k: v for k, v in table.to_json().items() if k != "tree_offset"})  # a result stored before the offset
+    assert old.tree_offset == 0.0
+
+
 def test_cost_aware_decoding_feeds_the_cost_model_and_replays_do_not():
     from specstore.runtime.bench.simulate import Reference, replay_one
 
