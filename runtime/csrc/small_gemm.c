@@ -25,11 +25,15 @@
 #define NB 16 /* outputs per panel: two 8-float registers */
 #define MR 6  /* rows per register block: 12 accumulators, 2 weight registers, 1 broadcast */
 #define GROUP 72 /* rows whose blocks take turns over a panel (gemm.MAX_ROWS: a whole tree) */
+/* KC: panel rows per turn (2 KiB of float32 weights, which stay in L1 for the next block).
+ * Short turns keep the first block, the one that reads memory, coming back often: with 128-row
+ * turns (8 KiB) a product of 7-17 rows (two or three blocks) ran 10-20% slower on a 2-core Zen 3,
+ * the later blocks computing from L1 for long stretches while memory idled (BENCHMARKS.md). */
 #ifndef KC
-#define KC 128 /* panel rows per turn: 8 KiB of float32 weights, which stay in L1 for the next block */
+#define KC 32
 #endif
 #ifndef PREFETCH
-#define PREFETCH 1024 /* bytes ahead of the panel read, into L1 (32-64 k steps) */
+#define PREFETCH 1536 /* bytes ahead of the panel read, into L1 (48-96 k steps) */
 #endif
 
 int specstore_gemm_abi(void) { return 1; }
