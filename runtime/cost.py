@@ -3,11 +3,10 @@ context of ``c`` cached tokens, for one loaded model, device, dtype and torch bu
 
 Owns measuring it (a few timed verification steps through the TreeVerifier, the forward and
 everything around it: warm-up first, then the median of repeats at node counts 0 (plain
-decoding, timed ``PLAIN_REPEATS`` times as often: every tree is priced against it), 1, 2, 4, ...
-64 and at two context lengths), the fit (per context, plain decoding as measured and a
-least-squares hinge in nodes through the tree sizes: flat up to a knee, then a line with a
-non-negative slope (``_hinge``); linear between
-contexts), the per-request prefill (a fresh verifier and the prompt's forward, timed at
+decoding, timed ``PLAIN_REPEATS`` times as often: every tree is priced against it), 1, 2, 3, ...
+64 and at two context lengths), the fit (per context, plain decoding as measured and, through
+the tree sizes, the closest non-decreasing sequence to their medians (``_monotone``), linear
+between them; linear between contexts), the per-request prefill (a fresh verifier and the prompt's forward, timed at
 ``PREFILL_LENGTHS`` prompt tokens, a line in them: what every method pays once per prompt, which
 the bench's wall times hold and the simulator's speed prediction must too), and the JSON cache under
 ``cache_dir()/cost``, keyed by the model's hash, the device, the dtype, torch's version and
@@ -41,7 +40,9 @@ from specstore.runtime.linear import backend as linear_backend
 from specstore.runtime.models import cache_dir
 from specstore.runtime.tree import DraftTree
 
-NODE_COUNTS = (0, 1, 2, 4, 8, 16, 32, 64)
+# dense where drafters' trees live: a CPU's product kernel steps up in cost where its rows fill
+# another register block (6 rows, 12, ...: csrc/small_gemm.c), which 1, 2, 4, 8 missed
+NODE_COUNTS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 1024)
 REPEATS = 7
 PREFILL_LENGTHS = (64, 512)  # prompt tokens the prefill is timed at (a line through them prices any prompt)
@@ -56,8 +57,9 @@ VERSION = 3  # of the cache file's layout (2: whole verification steps, not forw
 # attention over long caches through matmuls, attention.py; 6: products of up to 3 rows through
 # F.linear where it measured faster, linear.py; 7: float32 and emulated-bf16 products of up to
 # gemm.MAX_ROWS rows through specstore's own kernel, gemm.py; 8: that kernel in 32-row turns
-# over a panel, 10-20% faster at 7-17 rows, csrc/small_gemm.c)
-VERIFIER_REVISION = 8
+# over a panel, 10-20% faster at 7-17 rows, csrc/small_gemm.c; 9: NODE_COUNTS dense to 12, the
+# curve through them in place of a hinge)
+VERIFIER_REVISION = 9
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians
@@ -68,15 +70,16 @@ PAD_MARGIN = 0.1
 class CostModel:
     """``seconds[i][j]``: median seconds of one verification forward over ``nodes[j]`` tree
     nodes (plus the pending token) after ``contexts[i]`` cached tokens; ``plain[i]``: plain
-    decoding's (0 nodes) seconds at context i, as measured; ``fit[i]``: the hinge
-    ``(a, b, knee)`` fitted to row i's tree sizes (seconds = a + b * max(nodes - knee, 0) for
-    nodes >= 1), which the predictions use: a small parametric fit, so that the noise of single
-    medians does not shape the trees. The knee is where a forward's extra rows start to cost:
-    on a CPU the products cost what reading the weights costs up to a few rows (runtime/gemm.py),
-    on a GPU up to many; a plain line (knee 0) lets the largest trees set the price of small
-    ones (docs/decoding.md has a measured table both ways).
+    decoding's (0 nodes) seconds at context i, as measured; ``curve[i]``: ``(nodes, seconds)``
+    of row i's tree sizes, the seconds made non-decreasing in nodes (``_monotone``: a larger
+    tree never costs less, so a noisy median that dips is pooled with its neighbours), which the
+    predictions interpolate linearly (flat below the first size, the last segment's slope past
+    the last). A staircase, not a line or a hinge: on a CPU the products cost what reading the
+    weights costs up to a few rows and step up where the rows fill another register block
+    (runtime/gemm.py); a hinge through 1-64 nodes priced 8 nodes at 36 ms where they measured
+    40 (BENCHMARKS.md, twelfth session), and pruning by it lost 3.7-6.3% on chat in replay.
 
-    Plain decoding is not on the fit: the step from no tree to a tree of one node costs what a
+    Plain decoding is not on the curve: the step from no tree to a tree of one node costs what a
     masked multi-row forward costs over a 1-row one (on some CPUs in float32 28% of a step,
     BENCHMARKS.md), which a line through 0 would spread over the slope and price at ~2%."""
 
@@ -91,7 +94,7 @@ class CostModel:
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     # [[prompt tokens, seconds], ...]: a request's prefill as measured (empty: not measured)
     prefill: list[list[float]] = field(default_factory=list)
-    fit: list[tuple[float, float]] = field(init=False, default_factory=list)
+    curve: list[tuple[list[float], list[float]]] = field(init=False, default_factory=list)
     plain: list[float] = field(init=False, default_factory=list)
     # per measured node count, the node count its trees are verified as (padded_nodes)
     pad_targets: list[int] = field(init=False, default_factory=list)
@@ -104,15 +107,15 @@ class CostModel:
         if list(self.nodes) != sorted(set(self.nodes)) or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError("node counts and contexts must be strictly increasing")
         self.pad_targets = _pad_targets(self.nodes, self.seconds)
-        # the hinge through what each tree size costs as verified (padded where padding is cheaper)
+        # what each tree size costs as verified (padded where padding is cheaper), non-decreasing
         where = [self.nodes.index(t) for t in self.pad_targets]
         trees = [j for j, n in enumerate(self.nodes) if n > 0]
-        self.fit, self.plain = [], []
+        self.curve, self.plain = [], []
         for row in self.seconds:
-            hinge = _hinge([self.nodes[j] for j in trees], [row[where[j]] for j in trees]) if trees else (row[0], 0.0, 0)
-            self.fit.append(hinge)
-            # a table without a plain column (or trees only): plain decoding on the fit at 0
-            self.plain.append(max(float(row[0]), 1e-9) if self.nodes[0] == 0 else hinge[0])
+            ys = _monotone([row[where[j]] for j in trees]) if trees else [float(row[0])]
+            self.curve.append(([float(self.nodes[j]) for j in trees] if trees else [1.0], ys))
+            # a table without a plain column (or trees only): plain decoding at the smallest tree's price
+            self.plain.append(max(float(row[0]), 1e-9) if self.nodes[0] == 0 else ys[0])
 
     def padded_nodes(self, nodes: int) -> int:
         """The node count to verify an ``nodes``-node tree as: ``nodes`` itself, or a larger
@@ -155,9 +158,9 @@ class CostModel:
         the fading steps with a prior that does not fade, pulling the line to where it started:
         its offset as ``ONLINE_PRIOR / 2`` steps' worth, its slope as ``ONLINE_PRIOR / 2`` steps
         at the table's 8-node tree would. Two numbers, not one ratio, because a tree's cost
-        over the table's is not proportional: on a CPU what a masked multi-row forward adds over
-        a 1-row one is a near-constant the hinge smooths away, so a lone ratio learnt from
-        small trees reached 2.41 and priced 10-node chains at 1.94x a plain step, where a 9-node
+        over the table's is not proportional: in decoding a tree step cost a near-constant more
+        over a plain one than the table (timed apart, under the hinge it then had) said, so a
+        lone ratio learnt from small trees reached 2.41 and priced 10-node chains at 1.94x a plain step, where a 9-node
         step measured about 1.36x (BENCHMARKS.md). Small trees say little about the
         slope, so it stays near where it was until trees of other sizes are seen. Bounds: level
         and tree_scale in [1/4, 4], tree_offset in [-1/2, 2]."""
@@ -191,13 +194,12 @@ class CostModel:
 
     def table_seconds(self, nodes, context: int | None = None) -> np.ndarray | float:
         """The measured table's seconds: per context plain decoding's for 0 nodes and the
-        fitted hinge ``a + b * max(nodes - knee, 0)`` for trees, linear between (and beyond) the measured
-        contexts."""
+        curve through the tree sizes for trees (``curve``), linear between (and beyond) the
+        measured contexts."""
         if np.ndim(nodes) == 0:
             return self._scalar_seconds(float(nodes), context)
         n = np.asarray(nodes, dtype=float)
-        rows = [np.where(n > 0, a + b * np.maximum(n - knee, 0.0), t0)
-                for (a, b, knee), t0 in zip(self.fit, self.plain, strict=True)]
+        rows = [np.where(n > 0, _on_curve(xs, ys, n), t0) for (xs, ys), t0 in zip(self.curve, self.plain, strict=True)]
         if context is None or len(self.contexts) == 1:
             out = rows[0]
         else:
@@ -211,8 +213,7 @@ class CostModel:
         """``table_seconds`` of one node count in Python floats: the decode loop asks for a few
         every step (observe, the drafting overhead), right after a forward, where every numpy
         call runs on cold caches."""
-        rows = [t0 if nodes <= 0 else a + b * max(nodes - knee, 0.0)
-                for (a, b, knee), t0 in zip(self.fit, self.plain, strict=True)]
+        rows = [t0 if nodes <= 0 else _on_curve_scalar(xs, ys, nodes) for (xs, ys), t0 in zip(self.curve, self.plain, strict=True)]
         if context is None or len(self.contexts) == 1:
             return float(rows[0])
         c0, c1 = self.contexts[0], self.contexts[-1]
@@ -270,20 +271,36 @@ def _pad_targets(nodes: Sequence[int], seconds: Sequence[Sequence[float]]) -> li
     return targets
 
 
-def _hinge(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float, int]:
-    """``(a, b, knee)``: seconds = ``a + b * max(nodes - knee, 0)``, least squares for each knee
-    in 0 and the measured sizes but the two largest (a slope needs two points past its knee),
-    ``b >= 0`` as in ``_line``; the knee whose fit has the least squared *relative* error wins
-    (the smaller on ties), so small trees, where drafters live, weigh as much as 64-node ones.
-    Knee 0 is ``_line``'s fit, so the hinge never fits worse than the line."""
-    x, y = np.asarray(nodes, dtype=float), np.asarray(seconds, dtype=float)
-    best: tuple[float, tuple[float, float, int]] | None = None
-    for knee in [0, *sorted(set(int(n) for n in x))[:-2]]:
-        a, b = _line(np.maximum(x - knee, 0.0), y)
-        error = float(np.sum(((a + b * np.maximum(x - knee, 0.0) - y) / np.maximum(y, 1e-12)) ** 2))
-        if best is None or error < best[0] * (1.0 - 1e-6) - 1e-12:  # rounding alone never moves the knee
-            best = (error, (a, b, knee))
-    return best[1]
+def _monotone(seconds: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``seconds`` in least squares (pool adjacent
+    violators): a run whose medians dip is replaced by its mean."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in seconds:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def _on_curve_scalar(xs: list[float], ys: list[float], n: float) -> float:
+    """Linear in ``n`` between the curve's points, flat below the first, the last segment's slope past the last."""
+    if n <= xs[0]:
+        return ys[0]
+    j = bisect.bisect_left(xs, n)
+    if j == len(xs):
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (n - xs[-1])
+    return ys[j - 1] + (ys[j] - ys[j - 1]) * (n - xs[j - 1]) / (xs[j] - xs[j - 1])
+
+
+def _on_curve(xs: list[float], ys: list[float], n: np.ndarray) -> np.ndarray:
+    """``_on_curve_scalar`` over an array."""
+    out = np.interp(n, xs, ys)
+    if len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        out = np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), out)
+    return out
 
 
 def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:

@@ -14,8 +14,8 @@ from specstore.runtime.cost import (
     CostModel,
     ForwardStep,
     PrefillStep,
-    _hinge,
     _line,
+    _monotone,
     bushy_tree,
     cache_path,
     cost_key,
@@ -69,7 +69,7 @@ def test_measure_fits_the_timed_forwards_and_interpolates():
     assert cost.relative(64, 100) == pytest.approx(linear(64, 100) / linear(0, 100))
 
 
-def test_fit_is_plain_decoding_and_a_line_never_falling_with_nodes_through_the_medians():
+def test_fit_is_plain_decoding_and_a_curve_never_falling_with_nodes_through_the_medians():
     # per node count: warm-up, then repeats (plain decoding's PLAIN_REPEATS times a round)
     values = {0: [1.0] + [1.0, 9.0, 1.0] * PLAIN_REPEATS, 8: [0.5, 0.5, 50.0, 0.5], 16: [0.48, 0.48, 0.48, 60.0]}
     order = []
@@ -81,41 +81,49 @@ def test_fit_is_plain_decoding_and_a_line_never_falling_with_nodes_through_the_m
     timer = FakeTimer(seconds)
     cost = measure(timer.step, nodes=(0, 8, 16), contexts=(10,), repeats=3, clock=timer.clock)
     assert cost.seconds[0] == pytest.approx([1.0, 0.5, 0.48])  # medians
-    assert cost.plain == [1.0]  # plain decoding as measured, off the trees' line
-    assert cost.fit[0] == pytest.approx((0.49, 0.0, 0))  # a falling cost is noise: flat, through the trees' mean
+    assert cost.plain == [1.0]  # plain decoding as measured, off the trees' curve
+    assert cost.curve[0] == ([8.0, 16.0], pytest.approx([0.49, 0.49]))  # a falling cost is noise: pooled, flat
     assert cost.seconds_for(0) == pytest.approx(1.0) and cost.seconds_for(8) == pytest.approx(0.49)
     assert cost.relative(64) == pytest.approx(0.49)
     noisy = CostModel([0, 1, 2, 4, 8, 16, 32, 64], [1], [[1.0, 1.3, 1.0, 1.0, 1.1, 1.2, 1.4, 1.8]], {})
-    a, b, knee = noisy.fit[0]
-    assert 0.0 < b < 0.02 and noisy.relative(1) < 1.07  # one noisy median does not make one node dear
+    assert noisy.curve[0][1] == pytest.approx([1.0, 1.0, 1.0, 1.1, 1.2, 1.4, 1.8])  # 1 node verified as 2 (padded)
+    assert noisy.relative(1) == pytest.approx(1.0)  # one noisy median does not make one node dear
+    dips = CostModel([0, 1, 2, 4, 8], [1], [[1.0, 1.1, 1.2, 1.15, 1.3]], {})  # a dip too small to pad: pooled
+    assert dips.curve[0][1] == pytest.approx([1.1, 1.175, 1.175, 1.3])
 
 
-def test_trees_are_priced_flat_up_to_the_knee_where_extra_rows_start_to_cost():
-    """A CPU kernel reads the weights once: 1-4 nodes cost what the first does, then each node
-    its arithmetic. On such a table a line through all sizes prices a 1-node tree below plain
-    decoding; the hinge recovers it exactly, and on a measured (noisy) table fits no worse."""
-    nodes = [0, 1, 2, 4, 8, 16, 32, 64]
-    knee_table = [0.040] + [0.041 if n <= 4 else 0.041 + 0.0022 * (n - 4) for n in nodes[1:]]
-    exact = CostModel(nodes, [128], [knee_table], {})
-    assert exact.fit[0] == pytest.approx((0.041, 0.0022, 4))
-    for n in range(1, 80):
-        assert exact.table_seconds(n, 128) == pytest.approx(0.041 + 0.0022 * max(n - 4, 0))
-    line = _line(nodes[1:], knee_table[1:])
-    assert (line[0] + line[1]) / 0.040 < 1.0  # the line's 1-node tree: cheaper than plain decoding
-    assert exact.relative(1) == pytest.approx(0.041 / 0.040)
-    # on a measured (noisy) table the hinge fits at least as well as the line, in relative error
-    measured = [37.9, 39.8, 35.6, 39.1, 45.8, 68.6, 107.6, 172.6]
-    a, b, knee = _hinge(nodes[1:], measured[1:])
-    la, lb = _line(nodes[1:], measured[1:])
-    x, y = np.array(nodes[1:], dtype=float), np.array(measured[1:])
-    assert np.sum(((a + b * np.maximum(x - knee, 0) - y) / y) ** 2) <= np.sum(((la + lb * x - y) / y) ** 2)
-    # a table that is a line is fitted as one (knee 0), a flat one as flat, and no slope falls
-    a, b, knee = _hinge([1, 2, 4, 8, 16], [0.02 + 0.001 * n for n in (1, 2, 4, 8, 16)])
-    assert knee <= 1 and all(a + b * max(n - knee, 0) == pytest.approx(0.02 + 0.001 * n) for n in range(1, 100))
-    assert _hinge([1, 8, 64], [0.05, 0.05, 0.05]) == pytest.approx((0.05, 0.0, 0))
-    assert _hinge([1], [0.05]) == pytest.approx((0.05, 0.0, 0))
-    for row in ([0.9, 0.5, 0.7, 0.2, 0.1], [0.1, 0.3, 0.2, 0.9, 0.4]):
-        assert _hinge([1, 2, 4, 8, 16], row)[1] >= 0.0
+def test_trees_are_priced_on_the_measured_staircase_not_a_line():
+    """A CPU kernel reads the weights once: a few nodes cost what the first does, then the cost
+    steps up where the rows fill another register block. The curve through the measured sizes
+    keeps those steps (linear between sizes, the last slope beyond); a line through all sizes
+    prices small trees under what they cost."""
+    nodes = [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64]
+
+    def stair(n):  # 6 rows a block: 1-5 nodes one block, 6-11 two, ...
+        return 0.034 + 0.0004 * n + 0.004 * (n // 6)
+
+    table = [0.033] + [stair(n) for n in nodes[1:]]
+    cost = CostModel(nodes, [128], [table], {})
+    for n in nodes[1:]:
+        assert cost.table_seconds(n, 128) == pytest.approx(stair(n))
+    assert cost.table_seconds(7, 128) == pytest.approx((stair(6) + stair(8)) / 2)  # between sizes: linear
+    slope = (stair(64) - stair(32)) / 32
+    assert cost.table_seconds(100, 128) == pytest.approx(stair(64) + slope * 36)  # beyond: the last slope
+    assert cost.table_seconds(0.5, 128) == pytest.approx(stair(1))  # below the first size: flat
+    assert cost.relative(6, 128) - cost.relative(5, 128) > 0.1  # the step is priced where it is
+    grid = np.arange(0, 90)
+    assert list(cost.table_seconds(grid, 128)) == pytest.approx([cost.table_seconds(int(n), 128) for n in grid])
+    line = _line(nodes[1:], table[1:])
+    assert line[0] + line[1] < stair(1) - 0.0005  # a line through all sizes: the 1-node tree under its cost
+    # the curve never falls: the least-squares non-decreasing sequence (pooled adjacent violators)
+    assert _monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert _monotone([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert _monotone([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        y = rng.uniform(0, 1, int(rng.integers(1, 9)))
+        m = np.array(_monotone(y))
+        assert np.all(np.diff(m) >= -1e-12) and m.sum() == pytest.approx(y.sum())  # pooled means keep the total
 
 
 def test_the_step_to_a_first_tree_node_is_priced_apart_from_the_slope():
@@ -126,7 +134,7 @@ def test_the_step_to_a_first_tree_node_is_priced_apart_from_the_slope():
     assert cost.relative(0, 128) == 1.0
     assert cost.relative(1, 128) == pytest.approx(1.25, abs=0.05)
     assert cost.relative(64, 128) == pytest.approx(0.206 / 0.065, rel=0.05)
-    assert CostModel([1, 8], [128], [[0.08, 0.09]], {}).table_seconds(0) == pytest.approx(0.08 - 0.01 / 7)  # no plain column: the line at 0
+    assert CostModel([1, 8], [128], [[0.08, 0.09]], {}).table_seconds(0) == pytest.approx(0.08)  # no plain column: the smallest tree's
 
 
 def test_cost_cache_is_keyed_refreshed_and_survives_corruption(tmp_path):
@@ -580,8 +588,8 @@ def test_trees_are_padded_only_where_a_larger_forward_is_cheaper_at_every_contex
     dip = CostModel([0, 1, 2, 4, 8, 16], [128, 1024], [[0.080, 0.126, 0.152, 0.102, 0.121, 0.137],
                                                         [0.080, 0.127, 0.164, 0.107, 0.122, 0.145]], {})
     assert [dip.padded_nodes(n) for n in (0, 1, 2, 3, 4, 5, 8, 16, 40)] == [0, 4, 4, 3, 4, 5, 8, 16, 40]
-    # the prices are the padded forwards': the fit runs through 0.102 for 1 and 2 nodes, not 0.126/0.152
-    assert dip.fit[0] == pytest.approx(_hinge([1, 2, 4, 8, 16], [0.102, 0.102, 0.102, 0.121, 0.137]))
+    # the prices are the padded forwards': the curve runs through 0.102 for 1 and 2 nodes, not 0.126/0.152
+    assert dip.curve[0][1] == pytest.approx([0.102, 0.102, 0.102, 0.121, 0.137])
     assert dip.table_seconds(1, 128) == pytest.approx(0.102, abs=0.003) == dip.table_seconds(2, 128)
     flat = CostModel([0, 1, 2, 4, 8], [128], [[0.05, 0.051, 0.052, 0.053, 0.06]], {})
     assert all(flat.padded_nodes(n) == n for n in range(20))
