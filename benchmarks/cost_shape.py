@@ -26,14 +26,15 @@ FINE_NODES = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 
 
 def hinge_fit(nodes, seconds) -> tuple[float, float, int]:
-    """``(a, b, knee)`` least squares per knee (0 and the sizes but the two largest), b >= 0,
-    the least squared relative error wins."""
+    """``(a, b, knee)``: for each knee (0 and the sizes but the two largest) runtime/cost.py's
+    ``_line`` through ``max(nodes - knee, 0)``; the least squared relative error wins."""
+    from specstore.runtime.cost import _line
+
     x, y = np.asarray(nodes, dtype=float), np.asarray(seconds, dtype=float)
     best = None
     for knee in [0, *sorted({int(n) for n in x})[:-2]]:
         u = np.maximum(x - knee, 0.0)
-        b = max(float(np.polyfit(u, y, 1)[0]), 0.0) if np.ptp(u) > 0 else 0.0
-        a = float(np.mean(y - b * u))
+        a, b = _line(u, y)
         err = float(np.sum(((a + b * u - y) / y) ** 2))
         if best is None or err < best[0] * (1 - 1e-6) - 1e-12:
             best = (err, (a, b, knee))
@@ -58,25 +59,14 @@ def main() -> None:
     from specstore.runtime.store import Store
 
     class HingeCost(CostModel):
-        """The stored table priced by the old hinge (per context row, through the padded sizes)."""
+        """The stored table priced by the old hinge (per context row, through the padded sizes),
+        given as the curve's points at every whole node count: the same line pieces, knees whole."""
 
         def __post_init__(self) -> None:
             CostModel.__post_init__(self)
-            self.hinges = [hinge_fit(xs, ys) for xs, ys in self.curve]
-
-        def _scalar_seconds(self, nodes, context):
-            rows = [t0 if nodes <= 0 else a + b * max(nodes - knee, 0.0)
-                    for (a, b, knee), t0 in zip(self.hinges, self.plain, strict=True)]
-            if context is None or len(self.contexts) == 1:
-                return float(rows[0])
-            c0, c1 = self.contexts[0], self.contexts[-1]
-            out = rows[0] + (float(context) - c0) / (c1 - c0) * (rows[-1] - rows[0])
-            return float(max(out, min(rows[0], rows[-1]) * 0.5))
-
-        def table_seconds(self, nodes, context=None):
-            if np.ndim(nodes) == 0:
-                return self._scalar_seconds(float(nodes), context)
-            return np.array([self._scalar_seconds(float(n), context) for n in np.asarray(nodes).ravel()])
+            grid = [float(n) for n in range(1, max(self.nodes) + 1)]
+            hinges = [hinge_fit(xs, ys) for xs, ys in self.curve]
+            self.curve = [(grid, [a + b * max(n - knee, 0.0) for n in grid]) for a, b, knee in hinges]
 
     lm = load_model(None, dtype="float32")
     fine_path = Path(args.fine)

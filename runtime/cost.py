@@ -130,11 +130,10 @@ class CostModel:
     def seconds_for(self, nodes, context: int | None = None) -> np.ndarray | float:
         """Predicted seconds of a verification step over ``nodes`` (int or array) tree nodes
         after ``context`` cached tokens (None: the first measured context): the measured table's
-        (``table_seconds``) with the online corrections: ``level * (t0 + tree_scale * (t - t0))``
-        for plain decoding and ``level * t0 * tree_offset`` more for any tree, ``t0`` the table's
-        plain decoding step at that context."""
+        (``table_seconds``) with the online corrections: ``level * t0 * relative(nodes)``, ``t0``
+        the table's plain decoding step at that context."""
         t0 = self._scalar_seconds(0, context)
-        return self.level * t0 * self.relative(nodes, context)
+        return self.level * t0 * self._relative(nodes, context, t0)
 
     def prefill_seconds(self, tokens: int) -> float | None:
         """Predicted seconds of a request's prefill over a ``tokens``-token prompt (a fresh
@@ -223,7 +222,9 @@ class CostModel:
     def relative(self, nodes, context: int | None = None):
         """``seconds_for(nodes)`` over a plain decoding step's (0 nodes) at the same context
         (``level`` cancels): ``1 + tree_scale * (t / t0 - 1)``, plus ``tree_offset`` for a tree."""
-        t0 = self._scalar_seconds(0, context)
+        return self._relative(nodes, context, self._scalar_seconds(0, context))
+
+    def _relative(self, nodes, context: int | None, t0: float):
         if np.ndim(nodes) == 0:
             return 1.0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) / t0 - 1.0) + (self.tree_offset if nodes > 0 else 0.0)
         n = np.asarray(nodes)
@@ -289,18 +290,18 @@ def _on_curve_scalar(xs: list[float], ys: list[float], n: float) -> float:
         return ys[0]
     j = bisect.bisect_left(xs, n)
     if j == len(xs):
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-        return ys[-1] + slope * (n - xs[-1])
+        return ys[-1] + _last_slope(xs, ys) * (n - xs[-1])
     return ys[j - 1] + (ys[j] - ys[j - 1]) * (n - xs[j - 1]) / (xs[j] - xs[j - 1])
 
 
 def _on_curve(xs: list[float], ys: list[float], n: np.ndarray) -> np.ndarray:
     """``_on_curve_scalar`` over an array."""
-    out = np.interp(n, xs, ys)
-    if len(xs) > 1:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        out = np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), out)
-    return out
+    return np.where(n > xs[-1], ys[-1] + _last_slope(xs, ys) * (n - xs[-1]), np.interp(n, xs, ys))
+
+
+def _last_slope(xs: list[float], ys: list[float]) -> float:
+    """The curve's slope past its last point: its last segment's (0 for a single point)."""
+    return (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
 
 
 def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:

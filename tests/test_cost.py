@@ -528,8 +528,8 @@ def test_online_corrections_follow_the_measured_steps():
 
 
 def test_online_correction_fits_an_offset_so_small_trees_do_not_overprice_large_ones():
-    """A CPU's masked multi-row forward adds a near-constant over a 1-row one that the table's
-    hinge smooths away: small trees then measure several times the table's tiny extra. The
+    """In decoding a tree step can cost a near-constant more over a plain one than the table
+    (timed apart) says: small trees then measure several times the table's tiny extra. The
     online line learns that as an offset and keeps the slope, so a 9-node tree (never seen) is
     still priced near what it costs; a lone ratio (the old model) priced it at about twice its
     extra. Seeing large trees too, the line fits both ends."""
