@@ -4,9 +4,9 @@ and the KV cache kept equal to plain decoding of the committed tokens.
 Owns the target's KV cache for one request, the tree attention inputs (a 4D additive float
 mask and explicit position ids, through the public transformers API; an SDPA model is switched
 to attention.py's packed variant, the same math without copying the cache per step; a CPU
-model's linears run on weights packed once, linear.py), cache compaction to the accepted path,
-the batch fallback for models that cannot take a custom 4D mask, and the types a verification
-returns (``Prefill``, ``VerifyResult``, ``StepOutput``) and the ``Verifier``
+model's linears run on weights packed once, linear.py; the cache grows in place, kv_cache.py),
+cache compaction to the accepted path, the batch fallback for models that cannot take a custom
+4D mask, and the types a verification returns (``Prefill``, ``VerifyResult``, ``StepOutput``) and the ``Verifier``
 interface the decode loop drives (the simulator's replay verifier implements it too).
 Acceptance rules live in sampling.py (and relaxed.py); the decode loop in decode.py.
 
@@ -27,10 +27,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from specstore.runtime.attention import use_packed_attention
 from specstore.runtime.forward import forward_with_hidden
+from specstore.runtime.kv_cache import growing_cache
 from specstore.runtime.linear import use_packed_linears
 from specstore.runtime.sampling import Sampling, accept, pick
 from specstore.runtime.tree import DraftTree
@@ -146,7 +146,7 @@ class TreeVerifier:
         use_packed_attention(model)  # trees attend to the cache without copying it (attention.py)
         use_packed_linears(model)  # CPU projections on weights packed once (linear.py)
         self.sampling = sampling or Sampling()
-        self.cache = DynamicCache(config=model.config)
+        self.cache = growing_cache(model.config)  # appends in place (kv_cache.py)
         self.device = next(model.parameters()).device
         self.vocab_size = _vocab_size(model)  # the decode loop drops drafted ids outside it
         self.tree_attention = supports_tree_attention(model, self.cache)

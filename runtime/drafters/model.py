@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from specstore.runtime.drafters.base import DecodeState
+from specstore.runtime.kv_cache import growing_cache
 from specstore.runtime.linear import use_packed_linears
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
@@ -36,7 +37,7 @@ class ModelDrafter:
         self._cached: list[int] = []  # the tokens whose keys/values the cache holds
 
     def reset(self, prompt_ids: list[int]) -> None:
-        self._cache, self._cached = DynamicCache(config=self.model.config), []
+        self._cache, self._cached = growing_cache(self.model.config), []
 
     def _rewind(self, tokens: list[int]) -> None:
         """Crop the cache to the longest prefix it shares with ``tokens`` (and leave one token to run)."""

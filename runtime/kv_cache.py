@@ -1,0 +1,96 @@
+"""A KV cache that grows in place instead of being copied whole on every forward.
+
+transformers' ``DynamicLayer`` appends a forward's keys and values with ``torch.cat``: every
+decoding step (one token, or a draft tree) copies the layer's whole cache into a new tensor, 30
+layers x 2 on the default model, and the fresh allocation of a large tensor page-faults in as
+well. On this project's 2-core CPU that was about 6 ms a step at 300 cached tokens and 8 ms at
+1,000, float32, against a ~40 ms step (BENCHMARKS.md, thirteenth session): a fixed cost that
+plain decoding pays per token and a drafting method per step.
+
+Owns ``GrowingLayer``, a ``DynamicLayer`` whose keys and values live in a buffer with spare
+capacity (doubled when full, so a request of n tokens copies O(n) in all): ``update`` writes the
+new rows after the cached ones and returns views of the filled part; ``crop`` (what the verifier
+does after each tree) shortens the views only. The values, and so every product and logit, are
+the ones ``torch.cat`` would give; only the copies go. Where something replaces a layer's tensors
+(``batch_repeat_interleave`` and ``batch_select_indices``, a deep copy), the next ``update`` finds
+that its views no longer sit at the start of its buffer and starts a new buffer from them.
+
+``growing_cache(config)`` is a ``DynamicCache`` for ``config`` with each plain ``DynamicLayer``
+(not sliding-window or other kinds, which keep their own rules) swapped for a ``GrowingLayer``.
+``SPECSTORE_GROWING_CACHE=0`` keeps transformers' layers (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256  # rows a buffer holds at least
+
+
+class GrowingLayer(DynamicLayer):
+    """``DynamicLayer`` with in-place appends (module doc)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def _views_of_buffer(self) -> bool:
+        """True while ``keys``/``values`` are the leading rows of this layer's buffers."""
+        kb, vb = getattr(self, "_key_buffer", None), getattr(self, "_value_buffer", None)
+        if kb is None or vb is None or self.keys is None or self.values is None:
+            return False
+        return all(
+            view.dim() == buf.dim() and view.shape[:-2] == buf.shape[:-2] and view.shape[-1] == buf.shape[-1]
+            and view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride()
+            for view, buf in ((self.keys, kb), (self.values, vb))
+        )
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, needed: int) -> None:
+        capacity = max(2 * needed, MIN_CAPACITY)
+        keys = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
+        values = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+        if old:
+            keys[..., :old, :] = self.keys
+            values[..., :old, :] = self.values
+        self._key_buffer, self._value_buffer = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old = self.get_seq_length()
+        new = old + key_states.shape[-2]
+        fits = (self._views_of_buffer() or old == 0) and self._key_buffer is not None
+        if fits:
+            kb, vb = self._key_buffer, self._value_buffer
+            fits = (new <= kb.shape[-2] and kb.shape[:-2] == key_states.shape[:-2] and kb.shape[-1] == key_states.shape[-1]
+                    and vb.shape[:-2] == value_states.shape[:-2] and vb.shape[-1] == value_states.shape[-1]
+                    and kb.dtype == key_states.dtype and kb.device == key_states.device)
+        if not fits:
+            self._grow(key_states, value_states, old, new)
+        self._key_buffer[..., old:new, :] = key_states
+        self._value_buffer[..., old:new, :] = value_states
+        self.keys = self._key_buffer[..., :new, :]
+        self.values = self._value_buffer[..., :new, :]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        super().reset()
+
+
+def growing_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose plain layers grow in place (module doc)."""
+    cache = DynamicCache(config=config)
+    if os.environ.get("SPECSTORE_GROWING_CACHE", "1") == "0":
+        return cache
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = GrowingLayer()
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = GrowingLayer
+    return cache

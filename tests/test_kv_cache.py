@@ -1,0 +1,130 @@
+"""The in-place KV cache (runtime/kv_cache.py): the same keys and values as transformers'
+``DynamicLayer`` through appends, crops, in-place compaction and batch changes; appends that fit
+write into the buffer (no copy of what is cached); and a verifier on it gives bitwise the same
+logits and cache as one on transformers' layers."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from specstore.runtime.kv_cache import GrowingLayer, growing_cache
+from specstore.runtime.tree import DraftTree
+from specstore.runtime.verify import TreeVerifier
+from tests.decoding_helpers import tiny_lm
+
+
+def _states(rng: torch.Generator, rows: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 2, rows, 8, generator=rng), torch.randn(batch, 2, rows, 8, generator=rng)
+
+
+def _same(a, b) -> None:
+    assert a.get_seq_length() == b.get_seq_length()
+    if a.get_seq_length():
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_growing_layer_matches_dynamic_layer_through_appends_crops_and_compaction():
+    rng = torch.Generator().manual_seed(0)
+    grow, plain = GrowingLayer(), DynamicLayer()
+    for step in range(400):
+        k, v = _states(rng, int(torch.randint(1, 9, (1,), generator=rng)))
+        out_g, out_p = grow.update(k, v), plain.update(k, v)
+        assert torch.equal(out_g[0], out_p[0]) and torch.equal(out_g[1], out_p[1])
+        drop = int(torch.randint(0, k.shape[-2], (1,), generator=rng))
+        if step % 3 == 0 and k.shape[-2] > 1:  # the verifier's compaction: a row moves up in place
+            for layer in (grow, plain):
+                n = layer.get_seq_length()
+                layer.keys[..., n - k.shape[-2], :] = layer.keys[..., n - 1, :]
+                layer.values[..., n - k.shape[-2], :] = layer.values[..., n - 1, :]
+        if drop:
+            grow.crop(-drop)
+            plain.crop(-drop)
+        _same(grow, plain)
+    assert grow._key_buffer.shape[-2] < 2 * 4 * 400  # doubled as needed, not per step
+
+
+def test_appends_that_fit_write_into_the_buffer():
+    rng = torch.Generator().manual_seed(1)
+    layer = GrowingLayer()
+    layer.update(*_states(rng, 10))
+    buffer = layer._key_buffer
+    for _ in range(20):
+        layer.update(*_states(rng, 3))
+        layer.crop(-1)
+    assert layer._key_buffer is buffer  # 10 + 40 rows < MIN_CAPACITY: the first buffer all along
+    assert layer.keys.data_ptr() == buffer.data_ptr() and layer.get_seq_length() == 50
+
+
+def test_replaced_tensors_start_a_new_buffer():
+    """batch_repeat_interleave and a deep copy (the verifier's batch fallback) replace the views;
+    the next update must build on what the layer holds then, not on the old buffer."""
+    rng = torch.Generator().manual_seed(2)
+    grow, plain = GrowingLayer(), DynamicLayer()
+    k, v = _states(rng, 12)
+    grow.update(k, v)
+    plain.update(k, v)
+    grow_copy, plain_copy = copy.deepcopy(grow), copy.deepcopy(plain)
+    for layer in (grow_copy, plain_copy):
+        layer.batch_repeat_interleave(3)
+    k3, v3 = _states(rng, 2, batch=3)
+    grow_copy.update(k3, v3)
+    plain_copy.update(k3, v3)
+    _same(grow_copy, plain_copy)
+    k, v = _states(rng, 2)  # the original is untouched by its copy
+    grow.update(k, v)
+    plain.update(k, v)
+    _same(grow, plain)
+
+
+def test_growing_cache_swaps_plain_layers_only(monkeypatch):
+    model, _ = tiny_lm("llama")
+    cache = growing_cache(model.config)
+    assert cache.layers and all(type(layer) is GrowingLayer for layer in cache.layers)
+    monkeypatch.setenv("SPECSTORE_GROWING_CACHE", "0")
+    assert all(type(layer) is DynamicLayer for layer in growing_cache(model.config).layers)
+
+
+@torch.inference_mode()
+def _greedy(model, ids: list[int], count: int) -> list[int]:
+    out = []
+    for _ in range(count):
+        out.append(int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_verifier_logits_and_cache_bitwise_as_with_transformers_layers(family, monkeypatch):
+    model, _ = tiny_lm(family)
+    rng = np.random.default_rng(3)
+    vocab = model.config.vocab_size
+    committed = rng.integers(3, vocab, size=40).tolist()
+    verifiers = []
+    for growing in ("1", "0"):
+        monkeypatch.setenv("SPECSTORE_GROWING_CACHE", growing)
+        verifiers.append(TreeVerifier(model))
+    assert isinstance(verifiers[0].cache.layers[0], GrowingLayer)
+    assert type(verifiers[1].cache.layers[0]) is DynamicLayer
+    pending = [v.prefill(committed).bonus for v in verifiers]
+    assert pending[0] == pending[1]
+    moved = 0
+    for step in range(40):
+        # a random branch first, then the greedy continuation (accepted, not the first nodes:
+        # the compaction moves it up in place), then more random nodes
+        noise = [rng.integers(3, vocab, size=int(rng.integers(0, 4))).tolist() for _ in range(2)]
+        good = _greedy(model, committed + [pending[0]], int(rng.integers(0, 4)))
+        tree = DraftTree.from_paths([p for p in (noise[0], good, noise[1]) if p])
+        outs = [v.step(pending[0], tree) for v in verifiers]
+        assert outs[0].result == outs[1].result
+        assert torch.equal(outs[0].logits, outs[1].logits), f"step {step}"
+        for a, b in zip(verifiers[0].cache.layers, verifiers[1].cache.layers, strict=True):
+            _same(a, b)
+        accepted = outs[0].result.accepted_nodes
+        moved += bool(accepted) and accepted != list(range(len(accepted)))
+        committed += [pending[0], *outs[0].result.accepted_tokens]
+        pending = [outs[0].result.bonus] * 2
+    assert moved >= 5  # the in-place compaction ran on both caches
