@@ -39,16 +39,16 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
-    def _views_of_buffer(self) -> bool:
-        """True while ``keys``/``values`` are the leading rows of this layer's buffers."""
-        kb, vb = getattr(self, "_key_buffer", None), getattr(self, "_value_buffer", None)
-        if kb is None or vb is None or self.keys is None or self.values is None:
-            return False
-        return all(
-            view.dim() == buf.dim() and view.shape[:-2] == buf.shape[:-2] and view.shape[-1] == buf.shape[-1]
-            and view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride()
-            for view, buf in ((self.keys, kb), (self.values, vb))
-        )
+    def _fits(self, states: tuple[torch.Tensor, torch.Tensor], old: int, new: int) -> bool:
+        """Whether the buffers take ``new`` rows of ``states``' kind, the ``old`` cached ones
+        being their leading rows (not tensors something else put in place of the views)."""
+        for view, buf, state in ((self.keys, self._key_buffer, states[0]), (self.values, self._value_buffer, states[1])):
+            if (buf is None or new > buf.shape[-2] or buf.shape[:-2] != state.shape[:-2] or buf.shape[-1] != state.shape[-1]
+                    or buf.dtype != state.dtype or buf.device != state.device):
+                return False
+            if old and (view.data_ptr() != buf.data_ptr() or view.stride() != buf.stride() or view.shape[:-2] != buf.shape[:-2]):
+                return False
+        return True
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, needed: int) -> None:
         capacity = max(2 * needed, MIN_CAPACITY)
@@ -64,13 +64,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         old = self.get_seq_length()
         new = old + key_states.shape[-2]
-        fits = (self._views_of_buffer() or old == 0) and self._key_buffer is not None
-        if fits:
-            kb, vb = self._key_buffer, self._value_buffer
-            fits = (new <= kb.shape[-2] and kb.shape[:-2] == key_states.shape[:-2] and kb.shape[-1] == key_states.shape[-1]
-                    and vb.shape[:-2] == value_states.shape[:-2] and vb.shape[-1] == value_states.shape[-1]
-                    and kb.dtype == key_states.dtype and kb.device == key_states.device)
-        if not fits:
+        if not self._fits((key_states, value_states), old, new):
             self._grow(key_states, value_states, old, new)
         self._key_buffer[..., old:new, :] = key_states
         self._value_buffer[..., old:new, :] = value_states

@@ -6,8 +6,9 @@ mask and explicit position ids, through the public transformers API; an SDPA mod
 to attention.py's packed variant, the same math without copying the cache per step; a CPU
 model's linears run on weights packed once, linear.py; the cache grows in place, kv_cache.py),
 cache compaction to the accepted path, the batch fallback for models that cannot take a custom
-4D mask, and the types a verification returns (``Prefill``, ``VerifyResult``, ``StepOutput``) and the ``Verifier``
-interface the decode loop drives (the simulator's replay verifier implements it too).
+4D mask, and the types a verification returns (``Prefill``, ``VerifyResult``, ``StepOutput``)
+and the ``Verifier`` interface the decode loop drives (the simulator's replay verifier
+implements it too).
 Acceptance rules live in sampling.py (and relaxed.py); the decode loop in decode.py.
 
 Acceptance is an argument of ``step``: ``None`` is the sampling rule (greedy or lossless
