@@ -3,9 +3,9 @@
 transformers' ``DynamicLayer`` appends a forward's keys and values with ``torch.cat``: every
 decoding step (one token, or a draft tree) copies the layer's whole cache into a new tensor, 30
 layers x 2 on the default model, and the fresh allocation of a large tensor page-faults in as
-well. On this project's 2-core CPU that was about 6 ms a step at 300 cached tokens and 8 ms at
-1,000, float32, against a ~40 ms step (BENCHMARKS.md, thirteenth session): a fixed cost that
-plain decoding pays per token and a drafting method per step.
+well: a cost that plain decoding pays per token and a drafting method per step. On this
+project's 2-core CPU, float32, whole steps side by side (``benchmarks/kv_cache_ab.py``,
+BENCHMARKS.md, thirteenth session) gained about 5% at 1,000-2,000 cached tokens and 0-2% at 300.
 
 Owns ``GrowingLayer``, a ``DynamicLayer`` whose keys and values live in a buffer with spare
 capacity (doubled when full, so a request of n tokens copies O(n) in all): ``update`` writes the
