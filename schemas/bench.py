@@ -75,4 +75,8 @@ class BenchResult(BaseModel):
     temperature: float
     methods: dict[str, MethodResult]
     prompts: list[PromptRecord] = Field(default_factory=list)
-    cost_model: dict | None = Field(None, description="the verification cost model the cost-aware drafters used (runtime/cost.py)")
+    cost_model: dict | None = Field(None, description="the verification cost model the cost-aware drafters started from (runtime/cost.py)")
+    cost_models: dict[str, dict] = Field(
+        default_factory=dict,
+        description="per cost-aware method (its label), its own copy of the cost model as it ended: each method's "
+                    "online corrections learn from its own steps only (empty in results written before 2026-12-04)")

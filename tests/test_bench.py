@@ -49,6 +49,8 @@ def test_bench_result_contract(bench_setup, tmp_path):
     assert list(result.methods) == ["ar", "pld", "pld+cost", "rest", "rest+cost", "dresd", "dresd+cost", "respec",
                                     "respec+cost", "hf"]
     assert CostModel.from_json(result.cost_model).seconds == COST.seconds
+    assert sorted(result.cost_models) == sorted(AWARE)  # each cost-aware method's own copy
+    assert all(CostModel.from_json(c).seconds == COST.seconds for c in result.cost_models.values())
     for name, m in result.methods.items():
         lo, hi = m.speedup_ci
         assert lo <= m.speedup_vs_ar <= hi and m.speedup_ci_level == 0.95
@@ -106,6 +108,17 @@ def test_bench_command_end_to_end(bench_setup, tmp_path, capsys, monkeypatch):
     assert all(r.num_drafted <= 8 * (r.steps - 1) for r in result.prompts if r.method == "rest")  # --option reached rest
     assert len(list((tmp_path / "cache" / "cost").glob("*.json"))) == 1  # measured once for the tiny model, cached
     assert CostModel.from_json(result.cost_model).key["dtype"] == "float32" and result.dtype == "float32"
+    # each method corrected its own copy online from its own steps, and nothing else's; the
+    # simulator takes each method's copy, and the loaded model where a method has none
+    from specstore.runtime.bench.simulate import method_cost_model
+
+    base = CostModel.from_json(result.cost_model)
+    assert sorted(result.cost_models) == ["pld", "respec", "rest"] and base.observed == 0
+    for m in ("pld", "rest", "respec"):
+        steps = sum(r.steps - 1 for r in result.prompts if r.method == m)  # every step after the prefill
+        assert CostModel.from_json(result.cost_models[m]).observed == steps > 0, m
+        assert method_cost_model(result, m, base).observed == steps, m
+    assert method_cost_model(result, "dresd", base) is base
     # a method that needs a datastore, without one: one clear error line, before any model loads
     code = main(["bench", "--store", str(folder / "store"), "--questions", str(folder / "questions.jsonl"),
                  "--methods", "rest", "--model", str(model)])

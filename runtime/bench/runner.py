@@ -8,6 +8,7 @@ model (schemas/bench.py). Metrics are computed by metrics.py.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -182,7 +183,9 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     """``cost_aware``: on, off or both (module cost_aware.py; ``both`` runs each cost-aware method
     with and without, side by side); ``cost``: a ready cost.CostModel (else the cached one of the
     loaded model, measured when missing or ``refresh_cost``; ``cost_online``: whether decoding
-    corrects it, cost.CostModel.observe). The result stores the model as it ended."""
+    corrects it, cost.CostModel.observe). Each cost-aware method gets its own copy, corrected from
+    its own steps only; the result stores the model as loaded (``cost_model``) and each method's
+    copy as it ended (``cost_models``)."""
     options = options or {}
     methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs, first: it is the reference
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
@@ -207,7 +210,12 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
 
         cost = load_cost_model(lm.model, lm.info, refresh=refresh_cost, quiet=not progress)
         cost.online = cost_online
-    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=cost if aware else None, **options.get(m, {})), label)
+    # each cost-aware method corrects its own copy of the cost model online, from its own steps,
+    # as it would serving alone: one shared copy learnt every method's steps (a tree of the same
+    # size cost more after some drafters than after others), and priced respec's trees by a slope
+    # 1.56x the table's in a code-ID run where respec alone learnt 0.99x (BENCHMARKS.md)
+    costs = {label: copy.deepcopy(cost) for label, (m, aware) in labels.items() if aware and m not in HF_METHODS}
+    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=costs.get(label), **options.get(m, {})), label)
                 for label, (m, aware) in labels.items() if m not in HF_METHODS}
     methods = list(labels)
     lossless = {m: (True if m in HF_METHODS else bool(getattr(drafters[m], "lossless", True))) for m in methods}
@@ -275,7 +283,8 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
         temperature=temperature,
         methods=results,
         prompts=records,
-        cost_model=cost.to_json() if cost is not None and any(aware for _, aware in labels.values()) else None,
+        cost_model=cost.to_json() if costs else None,
+        cost_models={label: c.to_json() for label, c in costs.items()},
     )
 
 

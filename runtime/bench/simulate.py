@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specstore.runtime.bench.runner import parse_options, parse_value
+from specstore.runtime.bench.runner import COST_SUFFIX, parse_options, parse_value
 from specstore.runtime.decode import DecodeStats, context_limit, decode
 from specstore.runtime.drafters.registry import (
     datastore_methods,
@@ -231,6 +231,21 @@ def bench_cost_model(bench: BenchResult, args):
     return load_cost_model(timed.model, timed.info, refresh=args.refresh_cost, quiet=args.json)
 
 
+def method_cost_model(bench: BenchResult, method: str, fallback):
+    """The cost model ``method``'s drafter ended the bench with (``bench.cost_models``, under its
+    label or its ``+cost`` label: each method corrects its own copy online), else ``fallback``."""
+    from specstore.runtime.cost import CostModel
+
+    for label in (method, method + COST_SUFFIX):
+        data = bench.cost_models.get(label)
+        if data is not None:
+            try:
+                return CostModel.from_json(data)
+            except (ValueError, KeyError, TypeError):
+                break
+    return fallback
+
+
 def run_simulate_command(args) -> int:
     from specstore.runtime.bench.report import load_result
     from specstore.runtime.datastore import Datastore
@@ -262,7 +277,7 @@ def run_simulate_command(args) -> int:
         group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
-            with_cost = cost if uses_cost(m, args.cost_aware) else None
+            with_cost = (cost if args.refresh_cost else method_cost_model(bench, m, cost)) if uses_cost(m, args.cost_aware) else None
             reps = replay(lambda m=m, opts=opts, c=with_cost: make_drafter(m, datastore=ds, cost=c, **opts), refs,
                           bench.max_new_tokens, lm.model if need_states else None,
                           context_limit(lm.model) if lm is not None else None, evict)
