@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic that their figures rest on: the chat stream's held-out split
-(by instruction, never by row) and the serving loop's paired before/after comparison."""
+(by instruction, never by row), the serving loop's paired before/after comparison and the paired
+ratio of two methods' tokens/s (benchmarks/paired_ratio.py)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,26 @@ def test_serve_loop_compare_pairs_prompts():
     assert abs(speed["ratio"] - 1 / 0.9) < 1e-3 and speed["interval"][0] > 1.0
     same = compare(before, [dict(r) for r in before])
     assert same["mat"]["ratio"] == 1.0 and same["mat"]["interval"] == [1.0, 1.0]
+
+
+def test_paired_ratio_pools_tokens_per_second_over_paired_prompts(tmp_path):
+    mod = _load("paired_ratio")
+    # prompt 1: a at 20 tokens/s, b at 10; prompt 2: a at 10, b at 10; prompt 3: b only (unpaired)
+    prompts = [{"prompt_id": 1, "turn": 1, "method": "a", "num_tokens": 100, "wall_s": 5.0},
+               {"prompt_id": 1, "turn": 1, "method": "b", "num_tokens": 100, "wall_s": 10.0},
+               {"prompt_id": 2, "turn": 1, "method": "a", "num_tokens": 50, "wall_s": 5.0},
+               {"prompt_id": 2, "turn": 1, "method": "b", "num_tokens": 50, "wall_s": 5.0},
+               {"prompt_id": 3, "turn": 1, "method": "b", "num_tokens": 10, "wall_s": 100.0}]
+    tokens, wall = mod.paired(prompts, "a", "b")
+    assert tokens.shape == (2, 2)
+    assert mod.ratio(tokens, wall) == (150 / 10) / (150 / 15)  # pooled, not a mean of per-prompt ratios
+    # a resample of prompt 1 twice is prompt 1's ratio
+    assert np.allclose(mod.ratio(tokens, wall, np.array([[0, 0], [1, 1]])), [2.0, 1.0])
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"prompts": prompts}))
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "paired_ratio.py"), str(path), "--a", "a", "--b", "b"],
+                         check=True, capture_output=True, text=True).stdout
+    assert out.startswith("a / b tokens/s: 1.500 [") and "2 prompts" in out
+    missing = subprocess.run([sys.executable, str(BENCHMARKS / "paired_ratio.py"), str(path), "--a", "a", "--b", "c"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "no prompt" in missing.stderr
