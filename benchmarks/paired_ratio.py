@@ -12,29 +12,27 @@ prompts for both sides (so that load which hit one prompt hits both sides of its
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-import numpy as np
+from specstore.runtime.bench.metrics import BOOTSTRAP_RESAMPLES, bootstrap_speedup, speedup_of
+from specstore.runtime.bench.report import load_result
+from specstore.runtime.errors import SpecstoreError
 
 
-def paired(prompts: list[dict], a: str, b: str) -> tuple[np.ndarray, np.ndarray]:
-    """``[P, 2]`` tokens and ``[P, 2]`` wall seconds of methods ``a`` and ``b`` on the prompts both ran."""
-    by_prompt: dict[tuple, dict[str, dict]] = {}
+def paired(prompts, a: str, b: str) -> list[tuple]:
+    """``(b's record, a's record)`` of each prompt (and turn) both methods ran: the bench's own
+    (reference, method) pairs, so metrics.py's speedup and its bootstrap apply as they are."""
+    by_prompt: dict[tuple, dict] = {}
     for r in prompts:
-        by_prompt.setdefault((r["prompt_id"], r.get("turn", 1)), {})[r["method"]] = r
-    both = [v for v in by_prompt.values() if a in v and b in v]
-    tokens = np.array([[v[a]["num_tokens"], v[b]["num_tokens"]] for v in both], dtype=float).reshape(-1, 2)
-    wall = np.array([[v[a]["wall_s"], v[b]["wall_s"]] for v in both], dtype=float).reshape(-1, 2)
-    return tokens, wall
+        by_prompt.setdefault((r.prompt_id, r.turn), {})[r.method] = r
+    return [(v[b], v[a]) for v in by_prompt.values() if a in v and b in v]
 
 
-def ratio(tokens: np.ndarray, wall: np.ndarray, sample: np.ndarray | None = None) -> np.ndarray | float:
-    """Pooled tokens/s of column 0 over column 1 (per resample when ``sample`` [R, P] is given)."""
-    if sample is None:
-        return float((tokens[:, 0].sum() / wall[:, 0].sum()) / (tokens[:, 1].sum() / wall[:, 1].sum()))
-    t, w = tokens[sample], wall[sample]  # [R, P, 2]
-    return (t[..., 0].sum(1) / w[..., 0].sum(1)) / (t[..., 1].sum(1) / w[..., 1].sum(1))
+def ratio(pairs: list[tuple]) -> float:
+    """Pooled tokens/s of the pairs' second records over their first ones'."""
+    cols = [[r.wall_s for r, _ in pairs], [r.num_tokens for r, _ in pairs],
+            [r.wall_s for _, r in pairs], [r.num_tokens for _, r in pairs]]
+    return float(speedup_of(*cols))
 
 
 def main() -> int:
@@ -42,19 +40,19 @@ def main() -> int:
     p.add_argument("result", help="a specstore bench --out JSON")
     p.add_argument("--a", default="respec", help="the method on top (default respec)")
     p.add_argument("--b", default="suffixdecoding", help="the method below (default suffixdecoding)")
-    p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of the prompts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES, help="bootstrap resamples of the prompts")
     args = p.parse_args()
-    with open(args.result) as handle:
-        prompts = json.load(handle).get("prompts", [])
-    tokens, wall = paired(prompts, args.a, args.b)
-    if len(tokens) == 0:
+    try:
+        pairs = paired(load_result(args.result).prompts, args.a, args.b)
+    except SpecstoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not pairs:
         print(f"no prompt in {args.result} was run by both {args.a} and {args.b}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(args.seed)
-    boots = ratio(tokens, wall, rng.integers(0, len(tokens), size=(args.resamples, len(tokens))))
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    print(f"{args.a} / {args.b} tokens/s: {ratio(tokens, wall):.3f} [{lo:.3f}, {hi:.3f}] (95%, {len(tokens)} prompts)")
+    interval = bootstrap_speedup(pairs, resamples=args.resamples)
+    shown = "" if interval is None else f" [{interval[0]:.3f}, {interval[1]:.3f}]"
+    print(f"{args.a} / {args.b} tokens/s: {ratio(pairs):.3f}{shown} (95%, {len(pairs)} prompts)")
     return 0
 
 

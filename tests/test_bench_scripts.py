@@ -59,23 +59,30 @@ def test_serve_loop_compare_pairs_prompts():
 
 
 def test_paired_ratio_pools_tokens_per_second_over_paired_prompts(tmp_path):
+    from specstore.schemas.bench import BenchResult, PromptRecord
+
     mod = _load("paired_ratio")
+
+    def rec(method, pid, tokens, wall):
+        return PromptRecord(method=method, prompt_id=str(pid), category="c", num_tokens=tokens, steps=1,
+                            accepted_per_step=[1], num_drafted=0, num_accepted=0, wall_s=wall, drafting_s=0.0,
+                            verifying_s=wall)
+
     # prompt 1: a at 20 tokens/s, b at 10; prompt 2: a at 10, b at 10; prompt 3: b only (unpaired)
-    prompts = [{"prompt_id": 1, "turn": 1, "method": "a", "num_tokens": 100, "wall_s": 5.0},
-               {"prompt_id": 1, "turn": 1, "method": "b", "num_tokens": 100, "wall_s": 10.0},
-               {"prompt_id": 2, "turn": 1, "method": "a", "num_tokens": 50, "wall_s": 5.0},
-               {"prompt_id": 2, "turn": 1, "method": "b", "num_tokens": 50, "wall_s": 5.0},
-               {"prompt_id": 3, "turn": 1, "method": "b", "num_tokens": 10, "wall_s": 100.0}]
-    tokens, wall = mod.paired(prompts, "a", "b")
-    assert tokens.shape == (2, 2)
-    assert mod.ratio(tokens, wall) == (150 / 10) / (150 / 15)  # pooled, not a mean of per-prompt ratios
-    # a resample of prompt 1 twice is prompt 1's ratio
-    assert np.allclose(mod.ratio(tokens, wall, np.array([[0, 0], [1, 1]])), [2.0, 1.0])
+    prompts = [rec("a", 1, 100, 5.0), rec("b", 1, 100, 10.0), rec("a", 2, 50, 5.0), rec("b", 2, 50, 5.0),
+               rec("b", 3, 10, 100.0)]
+    pairs = mod.paired(prompts, "a", "b")
+    assert [(b.prompt_id, a.prompt_id, b.method, a.method) for b, a in pairs] == [("1", "1", "b", "a"), ("2", "2", "b", "a")]
+    assert mod.ratio(pairs) == (150 / 10) / (150 / 15)  # pooled, not a mean of per-prompt ratios
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"prompts": prompts}))
+    path.write_text(BenchResult(created_at="t", command="c", machine={}, device="cpu", dtype="float32", model="m",
+                                datastore=None, manifest_sha256=None, torch_version="t", transformers_version="t",
+                                questions="q", max_new_tokens=8, temperature=0.0, methods={},
+                                prompts=prompts).model_dump_json())
     out = subprocess.run([sys.executable, str(BENCHMARKS / "paired_ratio.py"), str(path), "--a", "a", "--b", "b"],
                          check=True, capture_output=True, text=True).stdout
-    assert out.startswith("a / b tokens/s: 1.500 [") and "2 prompts" in out
+    low, high = (float(x) for x in out.split("[")[1].split("]")[0].split(","))
+    assert out.startswith("a / b tokens/s: 1.500 [") and "2 prompts" in out and 1.0 <= low <= 1.5 <= high <= 2.0
     missing = subprocess.run([sys.executable, str(BENCHMARKS / "paired_ratio.py"), str(path), "--a", "a", "--b", "c"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "no prompt" in missing.stderr

@@ -214,7 +214,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     # as it would serving alone: one shared copy learnt every method's steps (a tree of the same
     # size cost more after some drafters than after others), and priced respec's trees by a slope
     # 1.56x the table's in a code-ID run where respec alone learnt 0.99x (BENCHMARKS.md)
-    costs = {label: copy.deepcopy(cost) for label, (m, aware) in labels.items() if aware and m not in HF_METHODS}
+    costs = {label: copy.deepcopy(cost) for label, (_, aware) in labels.items() if aware}
     drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=costs.get(label), **options.get(m, {})), label)
                 for label, (m, aware) in labels.items() if m not in HF_METHODS}
     methods = list(labels)

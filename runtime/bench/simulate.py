@@ -274,10 +274,12 @@ def run_simulate_command(args) -> int:
         grid = sweeps.get(m, {})
         keys = sorted(grid)
         values = [v if isinstance(v, list) else [v] for v in (grid[k] for k in keys)]
+        with_cost = None
+        if uses_cost(m, args.cost_aware):  # the method's own copy from the bench (a fresh table: the same for all)
+            with_cost = cost if args.refresh_cost else method_cost_model(bench, m, cost)
         group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
-            with_cost = (cost if args.refresh_cost else method_cost_model(bench, m, cost)) if uses_cost(m, args.cost_aware) else None
             reps = replay(lambda m=m, opts=opts, c=with_cost: make_drafter(m, datastore=ds, cost=c, **opts), refs,
                           bench.max_new_tokens, lm.model if need_states else None,
                           context_limit(lm.model) if lm is not None else None, evict)
