@@ -43,8 +43,11 @@ from specstore.runtime.device import cpu_flags
 from specstore.runtime.models import cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.c"
-ABI = 1  # specstore_gemm_abi() of the source this module speaks to
+ABI = 2  # specstore_gemm_abi() of the source this module speaks to
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+# added on CPUs with AVX-512 BF16: bf16 products through its dot-product instruction (the source's
+# specstore_linear_bf16dp; module doc)
+DOT_BF16_FLAGS = ("-mavx512f", "-mavx512bf16")
 NB = 16  # outputs per panel (csrc/small_gemm.c)
 # products of up to this many rows go to the kernel: a 64-node tree and its pending token, with
 # room; at 65 rows it still beat oneDNN here on every shape of the default model (the head:
@@ -126,20 +129,16 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"the C compiler {cc[0]} does not run ({exc})"
-    key = hashlib.sha256(source + repr((FLAGS, cc, version)).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"small_gemm-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                return None, f"compiling {SOURCE.name} failed: {(done.stderr or done.stdout).strip()[-400:]}"
-            os.replace(tmp, target)  # atomic: concurrent processes each compile, one file wins
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    flag_sets = [FLAGS]
+    if {"avx512f", "avx512_bf16"} <= cpu_flags() and os.environ.get("SPECSTORE_CPU_KERNEL_BF16_DOT", "1") != "0":
+        flag_sets.insert(0, FLAGS + DOT_BF16_FLAGS)  # a compiler without them: the plain build
+    problem = None
+    for flags in flag_sets:
+        target, problem = _compiled(cc, version, source, flags)
+        if target is not None:
+            break
+    if target is None:
+        return None, problem
     before = _openmp_libraries()
     lib = ctypes.CDLL(str(target))
     after = _openmp_libraries()
@@ -152,20 +151,52 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.specstore_linear_f32.restype = None
     lib.specstore_linear_bf16.argtypes = [p, i64, p, p, p, i64, i64, i32]
     lib.specstore_linear_bf16.restype = i32
+    lib.specstore_linear_bf16dp.argtypes = [p, i64, p, p, p, i64, i64, i32]
+    lib.specstore_linear_bf16dp.restype = None
+    lib.specstore_gemm_features.restype = i32
+    lib.dot_bf16 = bool(lib.specstore_gemm_features() & 1)
     problem = _self_check(lib)
     if problem:
         return None, problem
     return lib, None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, k] (float32 or bf16) as the kernel's panels: [ceil(n / 16), k, 16],
-    zero-padded past n."""
+def _compiled(cc: list[str], version: list[str], source: bytes, flags: tuple[str, ...]) -> tuple[Path | None, str | None]:
+    """The library compiled with ``flags`` into the cache (once per source, flags and compiler)."""
+    key = hashlib.sha256(source + repr((flags, cc, version)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"small_gemm-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                return None, f"compiling {SOURCE.name} failed: {(done.stderr or done.stdout).strip()[-400:]}"
+            os.replace(tmp, target)  # atomic: concurrent processes each compile, one file wins
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target, None
+
+
+def dot_bf16(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded kernel multiplies bf16 through AVX-512 BF16 dot products (module doc)."""
+    lib = lib or library()
+    return bool(lib is not None and getattr(lib, "dot_bf16", False))
+
+
+def pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``weight`` [n, k] (float32 or bf16) as the kernel's panels, zero-padded past n:
+    [ceil(n / 16), k, 16]; bf16 with even k where the kernel has dot products: pairs of k,
+    [ceil(n / 16), k / 2, 16, 2] (csrc/small_gemm.c)."""
     n, k = weight.shape
     blocks = -(-n // NB)
     padded = weight.detach()
     if blocks * NB != n:
         padded = torch.cat([padded, padded.new_zeros(blocks * NB - n, k)])
+    if weight.dtype == torch.bfloat16 and k % 2 == 0 and dot_bf16(lib):
+        return padded.reshape(blocks, NB, k // 2, 2).transpose(1, 2).contiguous()
     return padded.reshape(blocks, NB, k).transpose(1, 2).contiguous()
 
 
@@ -186,6 +217,8 @@ def linear(x: torch.Tensor, panel: torch.Tensor, bias: torch.Tensor | None, n: i
     b = None if bias is None else bias.data_ptr()
     if x.dtype == torch.float32:
         lib.specstore_linear_f32(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads)
+    elif panel.dim() == 4:  # pairs of k for the dot-product path (pack)
+        lib.specstore_linear_bf16dp(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads)
     elif lib.specstore_linear_bf16(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads) != 0:
         raise MemoryError("small_gemm: no memory for a float32 copy of the inputs")
     return out
@@ -196,11 +229,11 @@ def _self_check(lib: ctypes.CDLL) -> str | None:
     last panel, a bias, row counts across register blocks); a message where it is wrong."""
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        for n, k, rows, with_bias in ((40, 33, 1, False), (37, 70, 7, True), (16, 8, 13, True)):
+        for n, k, rows, with_bias in ((40, 33, 1, False), (37, 70, 7, True), (16, 8, 13, True), (21, 64, 25, True)):
             w = torch.randn(n, k, generator=g).to(dtype)
             x = torch.randn(rows, k, generator=g).to(dtype)
             bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
-            got = linear(x, pack(w), bias, n, lib).double()
+            got = linear(x, pack(w, lib), bias, n, lib).double()
             want = x.double() @ w.double().T + (0 if bias is None else bias.double())
             if not torch.allclose(got, want, rtol=tol, atol=tol * max(1.0, float(want.abs().max()))):
                 err = float((got - want).abs().max())

@@ -45,7 +45,7 @@ import time
 import torch
 
 from specstore.runtime import gemm
-from specstore.runtime.device import native_bf16_cpu
+from specstore.runtime.device import cpu_flags, native_bf16_cpu
 
 _ATTR = "_specstore_packed"
 SMALL_ROWS = 3  # rows up to which F.linear may take a product (module doc, small products)
@@ -113,12 +113,18 @@ def _pack(module: torch.nn.Linear) -> tuple:
 
 def _kernel_takes(dtype: torch.dtype) -> bool:
     """Whether specstore's kernel (gemm.py) takes this dtype's few-row products here: float32
-    wherever it runs; bf16 only on CPUs without native bf16 (with AMX or AVX-512 bf16, oneDNN's
-    bf16 products are the faster ones)."""
+    wherever it runs; bf16 on CPUs without native bf16 (widened to float32), and on CPUs with
+    AVX-512 BF16 but no AMX through its dot products (there a plain bf16 step of the default
+    model took 19-20 ms against oneDNN's 27.5, BENCHMARKS.md); with AMX, oneDNN's products
+    (not measured against the kernel there)."""
     if dtype == torch.float32:
         return gemm.available()
     if dtype == torch.bfloat16:
-        return gemm.available() and not native_bf16_cpu()[0]
+        if not gemm.available():
+            return False
+        if not native_bf16_cpu()[0]:
+            return True
+        return gemm.dot_bf16() and "amx_bf16" not in cpu_flags()
     return False
 
 

@@ -32,7 +32,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(16, 8), (37, 70), (200, 300), (48, 1000)])
+@pytest.mark.parametrize(("n", "k"), [(16, 8), (37, 70), (200, 300), (48, 1000), (33, 45)])
 def test_products_equal_float64_within_rounding(dtype, n, k):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -69,19 +69,41 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(dtype):
 
 
 @needs_kernel
-def test_bf16_outputs_round_as_torch_rounds():
-    """With k = 1 every product of two bf16 values is exact in float32 and the bias is one float32
-    addition, so the kernel's bf16 output is torch's float32 result rounded: to nearest, ties to
-    even, infinities and NaNs kept."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_bf16_outputs_round_as_torch_rounds(k):
+    """With k <= 2 every product of two bf16 values is exact in float32, their sum one float32
+    addition and the bias another, so the kernel's bf16 output is torch's float32 result rounded:
+    to nearest, ties to even, infinities and NaNs kept (k = 2 takes the dot-product path where
+    the CPU has AVX-512 BF16, k = 1 the widening one)."""
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(64, 1, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(64, generator=g).to(torch.bfloat16)
-    x = torch.randn(30, 1, generator=g).to(torch.bfloat16)
+    x = torch.randn(30, k, generator=g).to(torch.bfloat16)
     x[0, 0], x[1, 0] = float("inf"), float("nan")
     got = _product(x, w, bias)
     want = (x.float() @ w.float().T + bias.float()).to(torch.bfloat16)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.skipif(not gemm.dot_bf16(), reason="the kernel has no AVX-512 BF16 dot products here")
+def test_bf16_weights_of_even_width_are_packed_in_pairs_for_the_dot_product_path():
+    """On a CPU with AVX-512 BF16 the kernel multiplies bf16 by dot products over pairs of k:
+    such weights are packed in pairs (odd widths and float32 as before), and products through
+    both layouts agree with float64 ones."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    assert gemm.pack(w).shape == (3, 32, 16, 2)
+    assert gemm.pack(w[:, :63]).shape == (3, 63, 16)
+    assert gemm.pack(w.float()).shape == (3, 64, 16)
+    x = torch.randn(7, 64, generator=g).to(torch.bfloat16)
+    padded = torch.cat([w, w.new_zeros(8, 64)])
+    widening_panel = padded.reshape(3, 16, 64).transpose(1, 2).contiguous()  # the layout without pairs
+    want = _reference(x, w, None)
+    for panel in (gemm.pack(w), widening_panel):
+        got = gemm.linear(x, panel, None, 40).double()
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3 * float(want.abs().max()))
+    assert linear._kernel_takes(torch.bfloat16) == ("amx_bf16" not in gemm.cpu_flags())
 
 
 @needs_kernel

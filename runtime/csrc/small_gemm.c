@@ -36,7 +36,7 @@
 #define PREFETCH 1536 /* bytes ahead of the panel read, into L1 (48-96 k steps) */
 #endif
 
-int specstore_gemm_abi(void) { return 1; }
+int specstore_gemm_abi(void) { return 2; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -181,3 +181,87 @@ int specstore_linear_bf16(const uint16_t *x, int64_t m, const uint16_t *panel, c
     free(xf);
     return 0;
 }
+
+/* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
+ * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
+ *
+ * Emulated bf16 (above) widens every weight to float32 and runs one FMA per weight and row; a dot
+ * product instruction takes 32 bf16 weights and a broadcast pair of inputs at once, so a row
+ * costs a quarter of the instructions and trees of 8-16 nodes stay close to what reading the
+ * weights costs.
+ *
+ * Layout: panels of 16 outputs as before, but each panel row holds a pair of k: panel b, pair kp
+ * holds W[16b + j][2kp], W[16b + j][2kp + 1] for j = 0 .. 15 (32 bf16, one cache line),
+ * zero-padded past n. k must be even (gemm.py packs this layout only then).
+ *
+ * Arithmetic: every output accumulates in float32, one dot-product step per pair, in increasing
+ * k, from zero, the bias added last, the result rounded to bf16 to nearest, ties to even. As
+ * above, that order does not depend on the number of rows, the row's place or the threads, so a
+ * row's result is bitwise the same in a 1-row product as in a 72-row one. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
+
+int specstore_gemm_features(void) { return 1; }
+
+static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
+                                                           const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
+    __m512 a[MRD];
+#pragma GCC unroll 12
+    for (int r = 0; r < M; r++) a[r] = k0 ? _mm512_loadu_ps(acc + r * NB) : _mm512_setzero_ps();
+    for (int64_t kk = k0; kk < k1; kk++) {
+        const uint16_t *p = panel + kk * 2 * NB;
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+        __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)p);
+#pragma GCC unroll 12
+        for (int r = 0; r < M; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * kk, sizeof pair);
+            a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(pair), w);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < M; r++) _mm512_storeu_ps(acc + r * NB, a[r]);
+}
+
+typedef void (*block_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *);
+#define BLOCK_DP(R)                                                                                             \
+    static void block_dp_##R(const uint16_t *x, int64_t ldx, const uint16_t *p, int64_t k0, int64_t k1,         \
+                             float *acc) { block_dp(R, x, ldx, p, k0, k1, acc); }
+BLOCK_DP(1) BLOCK_DP(2) BLOCK_DP(3) BLOCK_DP(4) BLOCK_DP(5) BLOCK_DP(6)
+BLOCK_DP(7) BLOCK_DP(8) BLOCK_DP(9) BLOCK_DP(10) BLOCK_DP(11) BLOCK_DP(12)
+static const block_dp_fn BLOCKS_DP[MRD + 1] = {0, block_dp_1, block_dp_2, block_dp_3, block_dp_4, block_dp_5,
+                                               block_dp_6, block_dp_7, block_dp_8, block_dp_9, block_dp_10,
+                                               block_dp_11, block_dp_12};
+
+/* bf16 x [m, k] (k even) times the pair panels; bf16 bias and output. Same schedule as product(). */
+void specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel, const uint16_t *bias,
+                             uint16_t *out, int64_t n, int64_t k, int threads) {
+    const int64_t pairs = k / 2, panels = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t b = 0; b < panels; b++) {
+        float acc[GROUP * NB];
+        const uint16_t *p = panel + b * pairs * 2 * NB;
+        int cols = n - b * NB < NB ? (int)(n - b * NB) : NB;
+        for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
+            int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
+            int64_t tiles = (g + MRD - 1) / MRD;
+            for (int64_t k0 = 0; k0 < pairs; k0 += KC) {
+                int64_t k1 = pairs - k0 < KC ? pairs : k0 + KC;
+                int64_t row = 0;
+                for (int64_t t = 0; t < tiles; t++) {
+                    int rows = (int)((g - row) / (tiles - t) + ((g - row) % (tiles - t) != 0));
+                    BLOCKS_DP[rows](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
+                    row += rows;
+                }
+            }
+            for (int64_t r = 0; r < g; r++) {
+                float *v = acc + r * NB;
+                uint16_t *o = out + (g0 + r) * n + b * NB;
+                for (int j = 0; j < cols; j++) o[j] = f32_to_bf16(bias ? v[j] + bf16_to_f32(bias[b * NB + j]) : v[j]);
+            }
+        }
+    }
+}
+#else
+int specstore_gemm_features(void) { return 0; }
+#endif
