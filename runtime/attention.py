@@ -72,12 +72,17 @@ def _packable_step(module, query: torch.Tensor, key: torch.Tensor, attention_mas
 
 
 # Reduced-precision attention on the CPU through two matmuls and a softmax (``_matmul_attention``)
-# instead of SDPA's fused kernel, where the kernel scales worse with the cached length: bf16, 3
-# key/value heads of 64 dims on this project's CPU, 27 packed rows (an 8-node tree) over 1,024
-# cached tokens 229 against 113 us a layer, 3 rows (a 1-token step) over 2,048 145 against 80 us;
-# below ~8k row-key products the fused kernel's lower fixed cost wins (BENCHMARKS.md).
-MATMUL_MIN_WORK = 8192  # packed query rows x keys at which the matmul path is taken
-MATMUL_MIN_KEYS = 1024  # ... or cached keys, whatever the rows
+# instead of SDPA's fused kernel, where the kernel scales worse with the cached length. On the
+# seventh session's CPU (bf16, 3 key/value heads of 64 dims) 27 packed rows (an 8-node tree) over
+# 1,024 cached tokens took 229 against 113 us a layer, 3 rows (a 1-token step) over 2,048 145
+# against 80 us, and the switch came at 8k row-key products or 1,024 keys. On the fifteenth
+# session's Zen 4 with the cache growing in place, whole bf16 steps interleaved in one process
+# found SDPA as fast or faster at every size decoding meets (0-16 nodes over 300-2,000 cached
+# tokens: a plain step at 1,100 tokens 22.1 against 26.7 ms, 8 nodes 32.8 against 36.2; only 16
+# nodes over 2,000 tokens 51.0 against 49.2, BENCHMARKS.md), so the switch now waits for far
+# larger products: 48 packed rows (a 16-node tree) over 2,048 tokens.
+MATMUL_MIN_WORK = 98304  # packed query rows x keys at which the matmul path is taken
+MATMUL_MIN_KEYS = 8192  # ... or cached keys, whatever the rows (the default model's context)
 MATMUL_MAX_QUERIES = 128  # query tokens of a forward (trees and steps; a prompt's prefill keeps SDPA)
 
 
