@@ -29,8 +29,19 @@ registry when a cost model is given):
    tree as that many nodes (masked rows that nothing attends to; cost.CostModel.padded_nodes);
    the prices above are those of the padded forward already.
 
-The calibration lives as long as the wrapper (across requests, like the bench's drafters);
-``reset`` does not clear it.
+5. The gate (``DraftGate``). Pruning can always choose plain decoding, but by then the step's
+   drafting is spent: a drafter whose trees rarely pay (a datastore that does not predict the
+   prompts at hand) is slower than plain decoding by its drafting time. The gate keeps an
+   average, over the steps that drafted, of tokens committed against seconds spent (the
+   verification as the cost model prices the tree, plus the drafting measured), in plain
+   decoding steps; where drafting commits fewer tokens per second than plain decoding it stops
+   drafting for a while (``GATE_BACKOFF``: 8 plain steps, doubled up to 64 while it keeps
+   failing), then tries ``GATE_PROBE`` steps again and judges them alone. A drafter that pays
+   never meets it. Prices come from the cost model, not the step's clock, so the simulator's
+   replay closes the gate where a live run does.
+
+The calibration and the gate live as long as the wrapper (across requests, like the bench's
+drafters); ``reset`` does not clear them.
 """
 
 from __future__ import annotations
@@ -49,6 +60,56 @@ MAX_DEPTH_BIN = 8  # depths 8 and beyond share one calibration cell
 DEFAULT_PRIOR = 0.5
 DRAFT_MEMORY = 50.0  # steps over which CostAwareDrafter averages its drafting time
 EXPLORE = 0.1  # the exploration bonus at a cell's first trial (module doc, 2; chosen in BENCHMARKS.md)
+
+
+GATE_MEMORY = 16.0  # drafting steps the gate's averages reach back over (older ones fade)
+GATE_WARMUP = 8  # drafting steps the gate watches before it may first close
+GATE_PROBE = 4  # drafting steps a reopened gate tries, judged alone, before it may close again
+GATE_BACKOFF = (8, 64)  # plain steps the gate stays closed: the first time, and at most (doubling between)
+
+
+class DraftGate:
+    """Whether to draft at all this step (module doc, 5)."""
+
+    def __init__(self, memory: float = GATE_MEMORY, warmup: int = GATE_WARMUP, probe: int = GATE_PROBE,
+                 backoff: tuple[int, int] = GATE_BACKOFF):
+        self.memory, self.warmup, self.probe, self.backoff_range = memory, warmup, probe, backoff
+        self.tokens = self.price = 0.0  # faded sums over drafting steps: committed tokens, plain steps spent
+        self.seen = 0  # drafting steps since the gate last (re)opened
+        self.closed_for = 0  # plain steps left before the gate reopens
+        self.backoff = backoff[0]
+        self.closures = 0  # times it closed
+        self.skipped = 0  # steps it kept from drafting
+
+    def open(self) -> bool:
+        """True: draft this step. False: a plain step (counted)."""
+        if self.closed_for > 0:
+            self.closed_for -= 1
+            self.skipped += 1
+            return False
+        return True
+
+    def record(self, tokens: int, price: float) -> None:
+        """One drafting step: ``tokens`` committed (the bonus included) for ``price`` plain steps
+        (its verification and drafting over a plain step's seconds)."""
+        if not (np.isfinite(price) and price > 0):
+            return
+        if self.seen == 0:  # (re)opened: the steps from here on are judged alone
+            self.tokens = self.price = 0.0
+        fade = 1.0 - 1.0 / self.memory
+        self.tokens = self.tokens * fade + float(tokens)
+        self.price = self.price * fade + float(price)
+        self.seen += 1
+        if self.seen < (self.warmup if self.closures == 0 else self.probe):
+            return
+        if self.tokens < self.price:  # drafting commits fewer tokens per second than plain decoding
+            self.closed_for, self.seen, self.closures = self.backoff, 0, self.closures + 1
+            self.backoff = min(2 * self.backoff, self.backoff_range[1])
+        elif self.closures:
+            self.backoff = self.backoff_range[0]  # it pays again: a later closure starts short
+
+    def to_dict(self) -> dict:
+        return {"closures": self.closures, "skipped_steps": self.skipped}
 
 
 def bucketize(values, edges) -> np.ndarray:
@@ -166,9 +227,11 @@ class CostAwareDrafter:
     tests; ``count_drafting=False`` leaves it out)."""
 
     def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None, *,
-                 count_drafting: bool = True, clock=time.perf_counter):
+                 count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None):
         self.inner, self.cost = inner, cost
         self.calibrator = calibrator or Calibrator()
+        self.gate = gate if gate is not None else DraftGate()
+        self._step_s = 0.0  # the last propose's drafting seconds (the gate prices the step with them)
         self.name, self.lossless = inner.name, getattr(inner, "lossless", True)
         self.num_kept = self.num_proposed = 0
         self.context = 0  # the context the last tree was pruned at
@@ -196,6 +259,11 @@ class CostAwareDrafter:
         return self.draft_s / plain if plain > 0 else 0.0
 
     def propose(self, state: DecodeState) -> DraftTree:
+        if not self.gate.open():  # drafting has not been paying: a plain step, nothing drafted
+            self.context = len(state.tokens)
+            tree = DraftTree.empty()
+            tree.meta["gated"] = True
+            return tree
         start = self.clock()
         tree = clip_depth(self.inner.propose(state), max(state.budget, 0))
         self.num_proposed += len(tree)
@@ -207,6 +275,7 @@ class CostAwareDrafter:
         if padded > len(tree):  # the verifier adds masked rows: a forward this size is cheaper here
             tree.meta["verify_as"] = padded
         spent = self.clock() - start + self._observe_s
+        self._step_s = spent
         if np.isfinite(spent) and spent >= 0:
             self.draft_s = spent if self.draft_s is None else self.draft_s + (spent - self.draft_s) / DRAFT_MEMORY
         return tree
@@ -217,4 +286,11 @@ class CostAwareDrafter:
         if state.verify_s is not None:  # the cost model follows the machine
             self.cost.observe(len(tree), self.context, state.verify_s)
         self.inner.observe(state, tree, result)
+        if tree.meta.get("gated"):
+            self._observe_s = 0.0
+            return
         self._observe_s = self.clock() - start
+        plain = float(self.cost.seconds_for(0, self.context))
+        if plain > 0:
+            verify = float(self.cost.seconds_for(int(tree.meta.get("verify_as", len(tree))), self.context))
+            self.gate.record(len(result.accepted_tokens) + 1, (verify + max(self._step_s, 0.0)) / plain)
