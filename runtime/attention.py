@@ -25,12 +25,19 @@ weights and math are as before).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specstore.runtime import gemm
+
 PACKED_SDPA = "specstore_packed_sdpa"
+# bf16 steps and trees on the CPU through specstore's kernel (gemm.attention) where it has one;
+# SPECSTORE_CPU_ATTENTION=0 keeps them on the paths below
+_KERNEL_ATTENTION = os.environ.get("SPECSTORE_CPU_ATTENTION", "1") != "0"
 
 
 def _grouped(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
@@ -124,11 +131,25 @@ def _repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     return repeated
 
 
+def _kernel_takes(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                  dropout: float, kwargs: dict) -> bool:
+    """A bf16 CPU step or tree that specstore's attention kernel computes (module doc)."""
+    if not _KERNEL_ATTENTION or query.device.type != "cpu" or query.dtype != torch.bfloat16:
+        return False
+    n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
+    if (key.shape[1] * n_rep != query.shape[1] or dropout != 0.0 or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
+        return False
+    return gemm.attention_takes(query, key, value, attention_mask)
+
+
 def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                         dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                         **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, q, D], key/value [B, H_kv, k, D]
     -> ([B, q, H, D_v], None)."""
+    if _kernel_takes(module, query, key, value, attention_mask, dropout, kwargs):
+        return gemm.attention(query, key, value, attention_mask, scaling), None
     if _packable_step(module, query, key, attention_mask, dropout, kwargs):
         b, h, _, d = query.shape
         packed = query.reshape(b, key.shape[1], h // key.shape[1], d)  # one query attends to all: no mask

@@ -155,6 +155,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.specstore_linear_bf16dp.restype = None
     lib.specstore_gemm_features.restype = i32
     lib.dot_bf16 = bool(lib.specstore_gemm_features() & 1)
+    lib.attention = bool(lib.specstore_gemm_features() & 2)
+    if lib.attention:
+        lib.specstore_attention_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, p, i64,
+                                                 ctypes.c_float, p, i32]
+        lib.specstore_attention_bf16.restype = i32
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -184,6 +189,59 @@ def dot_bf16(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the loaded kernel multiplies bf16 through AVX-512 BF16 dot products (module doc)."""
     lib = lib or library()
     return bool(lib is not None and getattr(lib, "dot_bf16", False))
+
+
+def has_attention(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded kernel has the bf16 attention of few query rows (csrc/small_gemm.c)."""
+    lib = lib or library()
+    return bool(lib is not None and getattr(lib, "attention", False))
+
+
+ATTENTION_MAX_QUERIES = 128  # query tokens of a forward the kernel's attention takes (steps and trees)
+
+
+def attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> bool:
+    """Whether ``attention`` computes this call: bf16 on the CPU, one sequence, up to
+    ``ATTENTION_MAX_QUERIES`` query tokens, head dims a multiple of 32 up to 256, key/value rows
+    contiguous, and either one query without a mask or an additive bf16 mask [1, 1, q, keys]."""
+    if query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16:
+        return False
+    if query.device.type != "cpu" or query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
+        return False
+    heads, nq, dim = query.shape[1:]
+    if nq > ATTENTION_MAX_QUERIES or dim % 32 or dim > 256 or key.shape[-1] != dim or value.shape[-1] != dim:
+        return False
+    if key.shape[1] == 0 or heads % key.shape[1] or value.shape[:3] != key.shape[:3]:
+        return False
+    if key.stride(-1) != 1 or key.stride(-2) != dim or value.stride(-1) != 1 or value.stride(-2) != dim:
+        return False
+    if mask is None:
+        return nq == 1
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bfloat16 and mask.dim() == 4
+            and mask.shape[0] == 1 and mask.shape[1] == 1 and tuple(mask.shape[2:]) == (nq, key.shape[2])
+            and mask.stride(-1) == 1 and has_attention())
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None) -> torch.Tensor:
+    """softmax(q k^T x scale + mask) v for one sequence (``attention_takes``), query heads
+    grouped over the key/value heads as transformers' ``repeat_kv`` groups them; returns
+    [1, q, heads, dim] bf16 (the layout attention functions hand back). Each row's result
+    depends only on its query and its allowed keys in order (csrc/small_gemm.c)."""
+    lib = _lib or library()
+    query = query.contiguous()
+    heads, nq, dim = query.shape[1:]
+    out = torch.empty((1, nq, heads, dim), dtype=torch.bfloat16)
+    scale = dim ** -0.5 if scale is None else float(scale)
+    m_ptr, m_stride = (None, 0) if mask is None else (mask.data_ptr(), mask.stride(2))
+    code = lib.specstore_attention_bf16(query.data_ptr(), heads, nq, dim, key.data_ptr(), key.stride(1),
+                                        value.data_ptr(), value.stride(1), key.shape[1], key.shape[2], m_ptr,
+                                        m_stride, scale, out.data_ptr(), torch.get_num_threads())
+    if code == -2:
+        raise MemoryError("small_gemm: no memory for the attention's scratch")
+    if code != 0:
+        raise ValueError(f"small_gemm: attention refused its shapes ({code})")
+    return out
 
 
 def pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:

@@ -148,7 +148,9 @@ def test_bf16_plain_steps_follow_the_packed_path_and_decode_alike(monkeypatch):
 @pytest.mark.parametrize("q", [1, 9])
 def test_matmul_attention_over_a_long_cache_gives_sdpa_rows(monkeypatch, q, as_bool):
     """bf16 on the CPU over a cache past MATMUL_MIN_KEYS: the packed forward takes the matmul
-    path (counted) and its rows are SDPA's, within bf16 rounding of the float32 ones."""
+    path (counted) and its rows are SDPA's, within bf16 rounding of the float32 ones (the kernel's
+    attention, which would take these first where it runs, switched off)."""
+    monkeypatch.setattr(attention, "_KERNEL_ATTENTION", False)
     calls = []
     real = attention._matmul_attention
     monkeypatch.setattr(attention, "_matmul_attention", lambda *a: calls.append(1) or real(*a))

@@ -206,3 +206,89 @@ def test_greedy_decoding_through_the_kernel_matches_torchs_products(monkeypatch)
         out[kernel] = alternate_steps(verifier, prompt, tree)
     assert out[True][1] == out[False][1]
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
+
+
+needs_attention = pytest.mark.skipif(not gemm.has_attention(), reason="the kernel has no bf16 attention here (needs AVX-512 BF16)")
+
+
+def _attention_reference(q, k, v, mask, scale):
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = q.double() @ kr.transpose(-1, -2) * scale
+    if mask is not None:
+        s = s + mask.double().clamp(min=-1e300)
+    return (s.softmax(-1) @ vr).transpose(1, 2)
+
+
+@needs_attention
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "nq", "keys"), [(9, 3, 64, 1, 70), (9, 3, 64, 9, 300), (4, 4, 32, 5, 33), (6, 2, 128, 17, 200)])
+def test_kernel_attention_equals_float64_within_bf16_rounding(heads, kv_heads, dim, nq, keys):
+    """Grouped heads, key/value rows in a larger buffer (the cache grows in place), an additive
+    mask with masked keys anywhere (one query row masked whole: zeros), or one query unmasked."""
+    g = torch.Generator().manual_seed(heads * nq + keys)
+    q = torch.randn(1, heads, nq, dim, generator=g).bfloat16()
+    k = torch.randn(1, kv_heads, keys + 30, dim, generator=g).bfloat16()[:, :, :keys]
+    v = torch.randn(1, kv_heads, keys + 30, dim, generator=g).bfloat16()[:, :, :keys]
+    mask = None
+    if nq > 1:
+        allowed = torch.rand(nq, keys, generator=g) > 0.4
+        allowed[0] = False
+        mask = torch.zeros(1, 1, nq, keys, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    assert gemm.attention_takes(q, k, v, mask)
+    got = gemm.attention(q, k, v, mask, 0.3)
+    assert got.shape == (1, nq, heads, dim) and got.dtype == torch.bfloat16
+    want = _attention_reference(q, k, v, mask, 0.3)
+    if mask is not None:
+        assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+        got, want = got[:, 1:], want[:, 1:]
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_attention
+def test_kernel_attention_rows_are_the_bits_of_plain_decodings_step():
+    """A row that attends some keys among masked ones (a tree node: the cache and its ancestors)
+    gives the same bits as one query over exactly those keys without a mask (plain decoding's
+    step for that token), whatever the other rows."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, keys, nq = 9, 3, 64, 140, 12
+    q = torch.randn(1, heads, nq, dim, generator=g).bfloat16()
+    k = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
+    v = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
+    allowed = torch.rand(nq, keys, generator=g) > 0.5
+    allowed[:, :100] = True  # the cache
+    mask = torch.zeros(1, 1, nq, keys, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    together = gemm.attention(q, k, v, mask, None)
+    for i in range(nq):
+        keep = allowed[i].nonzero().flatten()
+        alone = gemm.attention(q[:, :, i : i + 1], k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), None, None)
+        assert torch.equal(alone[0, 0], together[0, i])
+    assert not gemm.attention_takes(q, k, v, None)  # several queries without a mask: causal, not ours
+    assert not gemm.attention_takes(q.float(), k.float(), v.float(), mask.float())
+
+
+@needs_attention
+def test_bf16_tree_verification_gives_plain_decodings_logits_bit_for_bit():
+    """The default model in bf16 on a CPU with the kernel's products and attention: the logits a
+    tree verification computes for its accepted path are plain decoding's, bit for bit, so bf16
+    speculative decoding here is exactly plain bf16 decoding (other paths round differently)."""
+    from specstore.runtime.models import load_model
+
+    loaded = load_model(None, dtype="bfloat16", device="cpu")
+    ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
+    plain = TreeVerifier(loaded.model)
+    tokens, logits = [plain.prefill(ids).bonus], []
+    for _ in range(24):
+        out = plain.step(tokens[-1], DraftTree.empty())
+        logits.append(out.logits.clone())
+        tokens.append(out.result.bonus)
+    tree_verifier = TreeVerifier(loaded.model)
+    tree_verifier.prefill(ids)
+    pos, checked = 0, 0
+    while pos < 16:
+        chain = tokens[pos + 1 : pos + 7]
+        out = tree_verifier.step(tokens[pos], DraftTree.from_paths([[chain[0], 3, 4], chain, [5, 6]]))
+        assert out.result.accepted_tokens == chain
+        pos += len(chain) + 1
+        assert torch.equal(out.logits, logits[pos - 1]) and out.result.bonus == tokens[pos]
+        checked += 1
+    assert checked >= 2

@@ -18,6 +18,7 @@
  * half of a float32); the float32 result is rounded to bf16 to nearest, ties to even.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,7 +202,7 @@ int specstore_linear_bf16(const uint16_t *x, int64_t m, const uint16_t *panel, c
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 1; }
+int specstore_gemm_features(void) { return 3; } /* 1: bf16 dot products, 2: attention */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -261,6 +262,137 @@ void specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel
             }
         }
     }
+}
+
+/* Attention of a few query rows over a cache, bf16 in and out, float32 inside (runtime/attention.py
+ * takes it for decoding's steps and trees in bf16 on the CPU).
+ *
+ * q [heads][nq][dim], k and v [kv_heads][nk][dim] (rows contiguous, heads ``*_head_stride``
+ * elements apart: the cache grows in place), an additive mask [nq][nk] (row stride
+ * ``mask_stride``; NULL: every key), out [nq][heads][dim]. Query head h reads key/value head
+ * h / (heads / kv_heads).
+ *
+ * A row attends its allowed keys (mask above -1e30) in their order, as a list: scores
+ * scale x (q . k) + mask, one dot product per key in a fixed order; their maximum; exp(s - max)
+ * of the list's entries in groups of 16 (the t-th allowed key in lane t mod 16); the sum of those
+ * lanes, reduced at the end; the weighted sum of values, one fused multiply-add per key in list
+ * order. Everything a row computes depends only on its query and its allowed keys in order, not
+ * on the other rows, the masked keys or where the allowed ones sit: a tree node's row attending
+ * the cache and its ancestors gives the bits plain decoding's 1-token step gives for that token
+ * after the same tokens. */
+#define ATT_MAX_DIM 256
+#define ATT_LANES 16
+
+static inline __m512 exp_ps(__m512 x) {
+    /* e^x = 2^n x 2^f, n = round(x log2 e), f in [-0.5, 0.5], 2^f by its Taylor series to f^7
+     * (relative error < 1e-8); x clamped to [-87, 88] */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* one row: its allowed keys idx[0 .. m-1]; scratch s[m + 16] */
+static void attend_row(const uint16_t *qr, const uint16_t *kh, const uint16_t *vh, int64_t dim, const uint16_t *mrow,
+                       const int32_t *idx, int64_t m, float scale, float *s, uint16_t *o) {
+    const int64_t chunks = dim / 32; /* 32 bf16 per register */
+    __m512bh qv[ATT_MAX_DIM / 32];
+    for (int64_t c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(qr + 32 * c));
+    float best = -INFINITY;
+    for (int64_t t = 0; t < m; t++) {
+        const uint16_t *kr = kh + (int64_t)idx[t] * dim;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c++)
+            acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512((const void *)(kr + 32 * c)));
+        float v = _mm512_reduce_add_ps(acc) * scale;
+        if (mrow) v += bf16_to_f32(mrow[idx[t]]);
+        s[t] = v;
+        best = v > best ? v : best;
+    }
+    for (int64_t t = m; t < m + ATT_LANES; t++) s[t] = -INFINITY; /* the last group's empty lanes */
+    __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
+    for (int64_t t = 0; t < m; t += ATT_LANES) {
+        __mmask16 live = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)));
+        _mm512_storeu_ps(s + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float total = _mm512_reduce_add_ps(sum);
+    __m512 acc[ATT_MAX_DIM / 16];
+    const int64_t lanes = dim / 16;
+    for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < m; t++) {
+        const uint16_t *vr = vh + (int64_t)idx[t] * dim;
+        __m512 w = _mm512_set1_ps(s[t]);
+        for (int64_t c = 0; c < lanes; c++) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c)));
+            acc[c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), acc[c]);
+        }
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int64_t c = 0; c < lanes; c++) {
+        float r[16];
+        _mm512_storeu_ps(r, _mm512_mul_ps(acc[c], inv));
+        for (int j = 0; j < 16; j++) o[16 * c + j] = f32_to_bf16(r[j]);
+    }
+}
+
+/* Returns 0, -1 where dim is not a multiple of 32 up to ATT_MAX_DIM or the heads do not group,
+ * -2 where scratch memory could not be had. */
+int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64_t dim, const uint16_t *k,
+                             int64_t k_head_stride, const uint16_t *v, int64_t v_head_stride, int64_t kv_heads,
+                             int64_t nk, const uint16_t *mask, int64_t mask_stride, float scale, uint16_t *out,
+                             int threads) {
+    if (dim % 32 || dim > ATT_MAX_DIM || kv_heads <= 0 || heads % kv_heads) return -1;
+    const int64_t rep = heads / kv_heads;
+    int32_t *idx = malloc((size_t)(nq * nk + 1) * sizeof(int32_t));
+    int64_t *count = malloc((size_t)nq * sizeof(int64_t));
+    if (!idx || !count) {
+        free(idx);
+        free(count);
+        return -2;
+    }
+    for (int64_t i = 0; i < nq; i++) { /* each query row's allowed keys, in order */
+        int64_t c = 0;
+        int32_t *row = idx + i * nk;
+        const uint16_t *mr = mask ? mask + i * mask_stride : 0;
+        for (int64_t j = 0; j < nk; j++)
+            if (!mr || bf16_to_f32(mr[j]) > -1e30f) row[c++] = (int32_t)j;
+        count[i] = c;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        float *s = malloc((size_t)(nk + ATT_LANES) * sizeof(float));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t hi = 0; hi < heads * nq; hi++) {
+            if (!s) continue;
+            int64_t h = hi / nq, i = hi % nq, g = h / rep;
+            if (count[i] == 0) { /* nothing to attend: zeros (SDPA would give NaN) */
+                memset(out + (i * heads + h) * dim, 0, (size_t)dim * sizeof(uint16_t));
+                continue;
+            }
+            attend_row(q + (h * nq + i) * dim, k + g * k_head_stride, v + g * v_head_stride, dim,
+                       mask ? mask + i * mask_stride : 0, idx + i * nk, count[i], scale, s, out + (i * heads + h) * dim);
+        }
+        free(s);
+    }
+    free(idx);
+    free(count);
+    return failed ? -2 : 0;
 }
 #else
 int specstore_gemm_features(void) { return 0; }
