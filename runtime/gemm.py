@@ -160,6 +160,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_attention_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, p, i64,
                                                  ctypes.c_float, p, i32]
         lib.specstore_attention_bf16.restype = i32
+        lib.specstore_entropy_bf16.argtypes = [p, i64]
+        lib.specstore_entropy_bf16.restype = ctypes.c_double
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -242,6 +244,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if code != 0:
         raise ValueError(f"small_gemm: attention refused its shapes ({code})")
     return out
+
+
+def entropy(logits: torch.Tensor) -> float | None:
+    """Entropy in nats of softmax(``logits``) for 1-D contiguous bf16 CPU logits through the
+    kernel (one call, two passes; NaN where a logit is NaN or +inf); None where the kernel has no
+    such function here or the logits are of another kind (the caller computes it with torch)."""
+    if (logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 1
+            or not logits.is_contiguous() or not has_attention()):
+        return None
+    return float(_lib.specstore_entropy_bf16(logits.data_ptr(), logits.shape[0]))
 
 
 def pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:

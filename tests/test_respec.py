@@ -65,10 +65,30 @@ def test_entropy_matches_the_definition():
     masked[:4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
     q = torch.softmax(masked[:4], 0)
     assert entropy(masked) == pytest.approx(float(-(q * q.log()).sum()), rel=1e-5)
-    assert entropy(x.to(torch.bfloat16)) == pytest.approx(entropy(x.to(torch.bfloat16).float()), rel=1e-6)
+    assert entropy(x.to(torch.bfloat16)) == pytest.approx(entropy(x.to(torch.bfloat16).float()), rel=1e-5)
     peaked = torch.zeros(V)
     peaked[7] = 80.0  # one token takes it all: about 0, never negative beyond rounding
     assert abs(entropy(peaked)) < 1e-3
+
+
+@pytest.mark.parametrize("size", [V, 49152, 49152 + 7])
+def test_entropy_of_bf16_logits_matches_the_definition(size):
+    """bf16 logits (the kernel's one call where it has one, torch's ops elsewhere): spread,
+    uniform, masked with -inf, one token taking all, a length that is no multiple of 16; NaN
+    logits give NaN or torch's answer, never a number that looks like a confident step."""
+    g = torch.Generator().manual_seed(size)
+    masked = torch.full((size,), float("-inf"))
+    masked[:5] = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.5])
+    peaked = torch.zeros(size)
+    peaked[3] = 90.0
+    for logits in (3 * torch.randn(size, generator=g), torch.zeros(size), masked, peaked):
+        b = logits.to(torch.bfloat16)
+        p = torch.softmax(b.double(), 0)
+        want = float(-(p[p > 0] * p[p > 0].log()).sum())
+        assert entropy(b) == pytest.approx(want, rel=1e-5, abs=1e-4)
+    broken = torch.zeros(size, dtype=torch.bfloat16)
+    broken[size // 2] = float("nan")
+    assert math.isnan(entropy(broken))
 
 
 @pytest.mark.parametrize("threshold", [0.3, 1.0, 2.5])

@@ -346,6 +346,104 @@ static void attend_row(const uint16_t *qr, const uint16_t *kh, const uint16_t *v
     }
 }
 
+/* 16 vectors of partial sums -> one vector whose lane L holds the total of one of them (which one:
+ * reduce16_lanes), by halving: the same additions for every lane, whatever the values */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 x[8], y[4], z[2];
+    for (int j = 0; j < 8; j++)
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+    for (int j = 0; j < 4; j++)
+        y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[j], x[j + 4], 0x88), _mm512_shuffle_f32x4(x[j], x[j + 4], 0xDD));
+    for (int j = 0; j < 2; j++)
+        z[j] = _mm512_add_ps(_mm512_shuffle_ps(y[j], y[j + 2], 0x44), _mm512_shuffle_ps(y[j], y[j + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
+/* the permutation that puts reduce16's totals in the order of its inputs */
+static __m512i reduce16_order(void) {
+    __m512 v[16];
+    float lanes[16];
+    int32_t order[16];
+    for (int j = 0; j < 16; j++) v[j] = _mm512_set1_ps((float)j);
+    _mm512_storeu_ps(lanes, reduce16(v));
+    for (int l = 0; l < 16; l++) order[(int)(lanes[l] / 16.0f + 0.5f)] = l;
+    return _mm512_loadu_si512((const void *)order);
+}
+
+#define GROUP_MAX_REP 4   /* query heads per key/value head the grouped path takes */
+#define GROUP_MAX_DIM 64  /* head dims it takes */
+
+/* The query rows of one query token over one key/value head (its ``rep`` query heads): each
+ * row's arithmetic as in attend_row's contract (its allowed keys in order, every sum in a fixed
+ * order: scores of 16 list entries at a time, reduced by reduce16), the keys' and values' reads
+ * shared by the rows. q: the first head's row, heads q_head_stride apart; o: the first head's
+ * output, heads dim apart; s: scratch [GROUP_MAX_REP][m + 16]. */
+static void attend_group(const uint16_t *q, int64_t q_head_stride, int rep, const uint16_t *kh, const uint16_t *vh,
+                         int64_t dim, const uint16_t *mrow, const int32_t *idx, int64_t m, float scale, float *s,
+                         int64_t s_stride, uint16_t *o, __m512i order) {
+    const int chunks = (int)(dim / 32), lanes = (int)(dim / 16);
+    __m512bh qv[GROUP_MAX_REP][GROUP_MAX_DIM / 32];
+    for (int r = 0; r < rep; r++)
+        for (int c = 0; c < chunks; c++)
+            qv[r][c] = (__m512bh)_mm512_loadu_si512((const void *)(q + r * q_head_stride + 32 * c));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < m; t0 += ATT_LANES) {
+        const int n = m - t0 < ATT_LANES ? (int)(m - t0) : ATT_LANES;
+        __m512bh kv[ATT_LANES][GROUP_MAX_DIM / 32];
+        for (int j = 0; j < ATT_LANES; j++)
+            for (int c = 0; c < chunks; c++)
+                kv[j][c] = j < n ? (__m512bh)_mm512_loadu_si512((const void *)(kh + (int64_t)idx[t0 + j] * dim + 32 * c))
+                                 : (__m512bh)_mm512_setzero_si512();
+        for (int r = 0; r < rep; r++) {
+            __m512 part[ATT_LANES];
+            for (int j = 0; j < ATT_LANES; j++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, qv[r][c], kv[j][c]);
+                part[j] = acc;
+            }
+            _mm512_storeu_ps(s + r * s_stride + t0, _mm512_mul_ps(_mm512_permutexvar_ps(order, reduce16(part)), vscale));
+        }
+    }
+    float total[GROUP_MAX_REP];
+    for (int r = 0; r < rep; r++) {
+        float *sr = s + r * s_stride;
+        if (mrow)
+            for (int64_t t = 0; t < m; t++) sr[t] += bf16_to_f32(mrow[idx[t]]);
+        float best = -INFINITY;
+        for (int64_t t = 0; t < m; t++) best = sr[t] > best ? sr[t] : best;
+        __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
+        for (int64_t t = 0; t < m; t += ATT_LANES) {
+            __mmask16 live = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), top)));
+            _mm512_storeu_ps(sr + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        total[r] = _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[GROUP_MAX_REP][GROUP_MAX_DIM / 16];
+    for (int r = 0; r < GROUP_MAX_REP; r++)
+        for (int c = 0; c < GROUP_MAX_DIM / 16; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < m; t++) {
+        const uint16_t *vr = vh + (int64_t)idx[t] * dim;
+        __m512 wide[GROUP_MAX_DIM / 16];
+        for (int c = 0; c < lanes; c++)
+            wide[c] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c))), 16));
+        for (int r = 0; r < rep; r++) {
+            __m512 w = _mm512_set1_ps(s[r * s_stride + t]);
+            for (int c = 0; c < lanes; c++) acc[r][c] = _mm512_fmadd_ps(w, wide[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rep; r++) {
+        __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+        for (int c = 0; c < lanes; c++) {
+            float out[16];
+            _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][c], inv));
+            for (int j = 0; j < 16; j++) o[r * dim + 16 * c + j] = f32_to_bf16(out[j]);
+        }
+    }
+}
+
 /* Returns 0, -1 where dim is not a multiple of 32 up to ATT_MAX_DIM or the heads do not group,
  * -2 where scratch memory could not be had. */
 int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64_t dim, const uint16_t *k,
@@ -370,6 +468,34 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
         count[i] = c;
     }
     int failed = 0;
+    if (rep <= GROUP_MAX_REP && dim <= GROUP_MAX_DIM) { /* the grouped path: a query token's rows of a key/value head together */
+        const __m512i order = reduce16_order();
+        const int64_t s_stride = nk + ATT_LANES;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+        {
+            float *s = malloc((size_t)(GROUP_MAX_REP * s_stride) * sizeof(float));
+            if (!s) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t gi = 0; gi < kv_heads * nq; gi++) {
+                if (!s) continue;
+                int64_t g = gi / nq, i = gi % nq;
+                uint16_t *o = out + (i * heads + g * rep) * dim;
+                if (count[i] == 0) {
+                    memset(o, 0, (size_t)(rep * dim) * sizeof(uint16_t));
+                    continue;
+                }
+                attend_group(q + (g * rep * nq + i) * dim, nq * dim, (int)rep, k + g * k_head_stride, v + g * v_head_stride,
+                             dim, mask ? mask + i * mask_stride : 0, idx + i * nk, count[i], scale, s, s_stride, o, order);
+            }
+            free(s);
+        }
+        free(idx);
+        free(count);
+        return failed ? -2 : 0;
+    }
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
         float *s = malloc((size_t)(nk + ATT_LANES) * sizeof(float));
@@ -393,6 +519,42 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
     free(idx);
     free(count);
     return failed ? -2 : 0;
+}
+
+/* Entropy in nats of softmax(x) for bf16 logits x[0 .. n-1] (ReSpec's trigger, every step):
+ * H = log Z - (sum e^d d) / Z with d = x - max x, Z = sum e^d, in two passes (float32 sums in 16
+ * lanes). Logits of -inf add nothing; NaN where a logit is NaN or +inf, or n is 0. */
+double specstore_entropy_bf16(const uint16_t *x, int64_t n) {
+    if (n <= 0) return NAN;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16)));
+    float best = _mm512_reduce_max_ps(top);
+    for (; i < n; i++) best = bf16_to_f32(x[i]) > best ? bf16_to_f32(x[i]) : best;
+    if (!(best > -INFINITY && best < INFINITY)) return NAN;
+    const __m512 shift = _mm512_set1_ps(best), floor = _mm512_set1_ps(-100.0f);
+    __m512 z = _mm512_setzero_ps(), w = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16));
+        __m512 d = _mm512_max_ps(_mm512_sub_ps(v, shift), floor); /* NaN logits give NaN below */
+        __m512 e = exp_ps(d);
+        z = _mm512_add_ps(z, e);
+        w = _mm512_fmadd_ps(e, d, w);
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return NAN;
+    }
+    double zs = _mm512_reduce_add_ps(z), ws = _mm512_reduce_add_ps(w);
+    for (; i < n; i++) {
+        float v = bf16_to_f32(x[i]);
+        if (v != v) return NAN;
+        float d = v - best < -100.0f ? -100.0f : v - best;
+        float e = expf(d);
+        zs += e;
+        ws += (double)e * d;
+    }
+    return log(zs) - ws / zs;
 }
 #else
 int specstore_gemm_features(void) { return 0; }
