@@ -301,6 +301,19 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* s[0 .. m-1] <- exp(s - best), 16 entries at a time (entry t in lane t mod 16); returns their
+ * sum, the lanes reduced at the end */
+static inline float exp_list(float *s, int64_t m, float best) {
+    __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
+    for (int64_t t = 0; t < m; t += ATT_LANES) {
+        __mmask16 live = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), top)));
+        _mm512_mask_storeu_ps(s + t, live, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
 /* one row: its allowed keys idx[0 .. m-1]; scratch s[m + 16] */
 static void attend_row(const uint16_t *qr, const uint16_t *kh, const uint16_t *vh, int64_t dim, const uint16_t *mrow,
                        const int32_t *idx, int64_t m, float scale, float *s, uint16_t *o) {
@@ -318,15 +331,7 @@ static void attend_row(const uint16_t *qr, const uint16_t *kh, const uint16_t *v
         s[t] = v;
         best = v > best ? v : best;
     }
-    for (int64_t t = m; t < m + ATT_LANES; t++) s[t] = -INFINITY; /* the last group's empty lanes */
-    __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
-    for (int64_t t = 0; t < m; t += ATT_LANES) {
-        __mmask16 live = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
-        __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)));
-        _mm512_storeu_ps(s + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    float total = _mm512_reduce_add_ps(sum);
+    float total = exp_list(s, m, best);
     __m512 acc[ATT_MAX_DIM / 16];
     const int64_t lanes = dim / 16;
     for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
@@ -378,9 +383,11 @@ static __m512i reduce16_order(void) {
  * order: scores of 16 list entries at a time, reduced by reduce16), the keys' and values' reads
  * shared by the rows. q: the first head's row, heads q_head_stride apart; o: the first head's
  * output, heads dim apart; s: scratch [GROUP_MAX_REP][m + 16]. */
-static void attend_group(const uint16_t *q, int64_t q_head_stride, int rep, const uint16_t *kh, const uint16_t *vh,
-                         int64_t dim, const uint16_t *mrow, const int32_t *idx, int64_t m, float scale, float *s,
-                         int64_t s_stride, uint16_t *o, __m512i order) {
+static inline __attribute__((always_inline)) void attend_group(const uint16_t *q, int64_t q_head_stride, const int rep,
+                                                               const uint16_t *kh, const uint16_t *vh, const int64_t dim,
+                                                               const uint16_t *mrow, const int32_t *idx, int64_t m,
+                                                               float scale, float *s, int64_t s_stride, uint16_t *o,
+                                                               __m512i order) {
     const int chunks = (int)(dim / 32), lanes = (int)(dim / 16);
     __m512bh qv[GROUP_MAX_REP][GROUP_MAX_DIM / 32];
     for (int r = 0; r < rep; r++)
@@ -411,14 +418,7 @@ static void attend_group(const uint16_t *q, int64_t q_head_stride, int rep, cons
             for (int64_t t = 0; t < m; t++) sr[t] += bf16_to_f32(mrow[idx[t]]);
         float best = -INFINITY;
         for (int64_t t = 0; t < m; t++) best = sr[t] > best ? sr[t] : best;
-        __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(best);
-        for (int64_t t = 0; t < m; t += ATT_LANES) {
-            __mmask16 live = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
-            __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), top)));
-            _mm512_storeu_ps(sr + t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        total[r] = _mm512_reduce_add_ps(sum);
+        total[r] = exp_list(sr, m, best);
     }
     __m512 acc[GROUP_MAX_REP][GROUP_MAX_DIM / 16];
     for (int r = 0; r < GROUP_MAX_REP; r++)
@@ -443,6 +443,21 @@ static void attend_group(const uint16_t *q, int64_t q_head_stride, int rep, cons
         }
     }
 }
+
+/* attend_group with its rows and dims known to the compiler (its sums then stay in registers) */
+typedef void (*group_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, const uint16_t *, const int32_t *,
+                         int64_t, float, float *, int64_t, uint16_t *, __m512i);
+#define ATT_GROUP(R, D)                                                                                          \
+    static void attend_group_##R##_##D(const uint16_t *q, int64_t qs, const uint16_t *kh, const uint16_t *vh,   \
+                                       const uint16_t *mrow, const int32_t *idx, int64_t m, float scale, float *s, \
+                                       int64_t ss, uint16_t *o, __m512i order) {                                 \
+        attend_group(q, qs, R, kh, vh, D, mrow, idx, m, scale, s, ss, o, order);                                  \
+    }
+ATT_GROUP(1, 32) ATT_GROUP(2, 32) ATT_GROUP(3, 32) ATT_GROUP(4, 32)
+ATT_GROUP(1, 64) ATT_GROUP(2, 64) ATT_GROUP(3, 64) ATT_GROUP(4, 64)
+static const group_fn ATT_GROUPS[2][GROUP_MAX_REP] = {
+    {attend_group_1_32, attend_group_2_32, attend_group_3_32, attend_group_4_32},
+    {attend_group_1_64, attend_group_2_64, attend_group_3_64, attend_group_4_64}};
 
 /* Returns 0, -1 where dim is not a multiple of 32 up to ATT_MAX_DIM or the heads do not group,
  * -2 where scratch memory could not be had. */
@@ -487,8 +502,9 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
                     memset(o, 0, (size_t)(rep * dim) * sizeof(uint16_t));
                     continue;
                 }
-                attend_group(q + (g * rep * nq + i) * dim, nq * dim, (int)rep, k + g * k_head_stride, v + g * v_head_stride,
-                             dim, mask ? mask + i * mask_stride : 0, idx + i * nk, count[i], scale, s, s_stride, o, order);
+                ATT_GROUPS[dim / 32 - 1][rep - 1](q + (g * rep * nq + i) * dim, nq * dim, k + g * k_head_stride,
+                                                  v + g * v_head_stride, mask ? mask + i * mask_stride : 0,
+                                                  idx + i * nk, count[i], scale, s, s_stride, o, order);
             }
             free(s);
         }
