@@ -123,6 +123,15 @@ static const block_fn BLOCK_F32[MR + 1] = {0, block_f32_1, block_f32_2, block_f3
 static const block_fn BLOCK_BF16[MR + 1] = {0, block_bf16_1, block_bf16_2, block_bf16_3, block_bf16_4, block_bf16_5,
                                             block_bf16_6};
 
+/* g rows in register blocks of at most mr rows, of as equal sizes as that allows (9 rows, mr 6:
+ * 5 + 4, not 6 + 3): their sizes in order; returns how many blocks */
+static inline int64_t split_rows(int64_t g, int mr, int *sizes) {
+    const int64_t tiles = (g + mr - 1) / mr;
+    for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
+        sizes[t] = (int)((g - row) / (tiles - t) + ((g - row) % (tiles - t) != 0));
+    return tiles;
+}
+
 /* out [m, n] = x [m, k] W^T (+ bias). Panels are split between threads. Within a panel, up to
  * GROUP rows at a time: register blocks of as equal sizes as MR allows (9 rows: 5 + 4, not
  * 6 + 3), which take turns over KC panel rows at a time, so that the panel is read from memory
@@ -139,15 +148,12 @@ static void product(const block_fn *blocks_of, int bf16, const float *x, int64_t
         int cols = n - b * NB < NB ? (int)(n - b * NB) : NB;
         for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
             int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
-            int64_t tiles = (g + MR - 1) / MR;
+            int sizes[GROUP];
+            const int64_t tiles = split_rows(g, MR, sizes);
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 int64_t k1 = k - k0 < KC ? k : k0 + KC;
-                int64_t row = 0;
-                for (int64_t t = 0; t < tiles; t++) {
-                    int rows = (int)((g - row) / (tiles - t) + ((g - row) % (tiles - t) != 0));
-                    blocks_of[rows](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
-                    row += rows;
-                }
+                for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
+                    blocks_of[sizes[t]](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
             }
             for (int64_t r = 0; r < g; r++) {
                 float *v = acc + r * NB;
@@ -245,15 +251,12 @@ void specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel
         int cols = n - b * NB < NB ? (int)(n - b * NB) : NB;
         for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
             int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
-            int64_t tiles = (g + MRD - 1) / MRD;
+            int sizes[GROUP];
+            const int64_t tiles = split_rows(g, MRD, sizes);
             for (int64_t k0 = 0; k0 < pairs; k0 += KC) {
                 int64_t k1 = pairs - k0 < KC ? pairs : k0 + KC;
-                int64_t row = 0;
-                for (int64_t t = 0; t < tiles; t++) {
-                    int rows = (int)((g - row) / (tiles - t) + ((g - row) % (tiles - t) != 0));
-                    BLOCKS_DP[rows](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
-                    row += rows;
-                }
+                for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
+                    BLOCKS_DP[sizes[t]](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
             }
             for (int64_t r = 0; r < g; r++) {
                 float *v = acc + r * NB;
