@@ -40,17 +40,22 @@ PACKED_SDPA = "specstore_packed_sdpa"
 _KERNEL_ATTENTION = os.environ.get("SPECSTORE_CPU_ATTENTION", "1") != "0"
 
 
-def _grouped(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
-    """Grouped query heads over the key/value heads, plain attention (what packing needs)."""
+def _plain(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Plain attention (no dropout, position bias, soft-capping or returned weights), the query
+    heads grouped over the key/value heads as the module says."""
     n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     return (
-        n_rep > 1
-        and key.shape[1] * n_rep == query.shape[1]
+        key.shape[1] * n_rep == query.shape[1]
         and dropout == 0.0
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
         and not kwargs.get("output_attentions", False)
     )
+
+
+def _grouped(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Several query heads per key/value head, plain attention (what packing needs)."""
+    return int(getattr(module, "num_key_value_groups", 1) or 1) > 1 and _plain(module, query, key, dropout, kwargs)
 
 
 def _packable(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
@@ -134,13 +139,8 @@ def _repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
 def _kernel_takes(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                   dropout: float, kwargs: dict) -> bool:
     """A bf16 CPU step or tree that specstore's attention kernel computes (module doc)."""
-    if not _KERNEL_ATTENTION or query.device.type != "cpu" or query.dtype != torch.bfloat16:
-        return False
-    n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
-    if (key.shape[1] * n_rep != query.shape[1] or dropout != 0.0 or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
-        return False
-    return gemm.attention_takes(query, key, value, attention_mask)
+    return (_KERNEL_ATTENTION and query.device.type == "cpu" and query.dtype == torch.bfloat16
+            and _plain(module, query, key, dropout, kwargs) and gemm.attention_takes(query, key, value, attention_mask))
 
 
 def packed_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,

@@ -152,7 +152,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.specstore_linear_bf16.argtypes = [p, i64, p, p, p, i64, i64, i32]
     lib.specstore_linear_bf16.restype = i32
     lib.specstore_linear_bf16dp.argtypes = [p, i64, p, p, p, i64, i64, i32]
-    lib.specstore_linear_bf16dp.restype = None
+    lib.specstore_linear_bf16dp.restype = i32
     lib.specstore_gemm_features.restype = i32
     lib.dot_bf16 = bool(lib.specstore_gemm_features() & 1)
     lib.attention = bool(lib.specstore_gemm_features() & 2)
@@ -203,10 +203,13 @@ ATTENTION_MAX_QUERIES = 128  # query tokens of a forward the kernel's attention 
 
 
 def attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> bool:
-    """Whether ``attention`` computes this call: bf16 on the CPU, one sequence, up to
-    ``ATTENTION_MAX_QUERIES`` query tokens, head dims a multiple of 32 up to 256, key/value rows
-    contiguous, and either one query without a mask or an additive bf16 mask [1, 1, q, keys]."""
+    """Whether ``attention`` computes this call: the kernel has it here, bf16 on the CPU, one
+    sequence, up to ``ATTENTION_MAX_QUERIES`` query tokens, head dims a multiple of 32 up to 256,
+    key/value rows contiguous, and either one query without a mask or an additive bf16 mask
+    [1, 1, q, keys]."""
     if query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16:
+        return False
+    if not has_attention():
         return False
     if query.device.type != "cpu" or query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
         return False
@@ -221,7 +224,7 @@ def attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return nq == 1
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bfloat16 and mask.dim() == 4
             and mask.shape[0] == 1 and mask.shape[1] == 1 and tuple(mask.shape[2:]) == (nq, key.shape[2])
-            and mask.stride(-1) == 1 and has_attention())
+            and mask.stride(-1) == 1)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -287,10 +290,10 @@ def linear(x: torch.Tensor, panel: torch.Tensor, bias: torch.Tensor | None, n: i
     b = None if bias is None else bias.data_ptr()
     if x.dtype == torch.float32:
         lib.specstore_linear_f32(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads)
-    elif panel.dim() == 4:  # pairs of k for the dot-product path (pack)
-        lib.specstore_linear_bf16dp(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads)
-    elif lib.specstore_linear_bf16(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads) != 0:
-        raise MemoryError("small_gemm: no memory for a float32 copy of the inputs")
+    else:  # pairs of k for the dot-product path (pack), else widened
+        fn = lib.specstore_linear_bf16dp if panel.dim() == 4 else lib.specstore_linear_bf16
+        if fn(x.data_ptr(), rows, panel.data_ptr(), b, out.data_ptr(), n, k, threads) != 0:
+            raise MemoryError("small_gemm: no memory for a float32 copy of the inputs")
     return out
 
 

@@ -25,9 +25,9 @@ from specstore.runtime.cost import (
 )
 from specstore.runtime.decode import decode
 from specstore.runtime.drafters.cost_aware import (
-    DraftGate,
     Calibrator,
     CostAwareDrafter,
+    DraftGate,
     best_size,
     path_probabilities,
     prune,

@@ -292,3 +292,14 @@ def test_bf16_tree_verification_gives_plain_decodings_logits_bit_for_bit():
         assert torch.equal(out.logits, logits[pos - 1]) and out.result.bonus == tokens[pos]
         checked += 1
     assert checked >= 2
+
+
+def test_attention_is_not_taken_where_the_kernel_has_none(monkeypatch):
+    """A CPU without the kernel's attention (no AVX-512 BF16, no compiler, switched off): bf16
+    steps and trees stay on torch's attention, a plain 1-query step too."""
+    monkeypatch.setattr(gemm, "has_attention", lambda lib=None: False)
+    q = torch.randn(1, 9, 1, 64).bfloat16()
+    k, v = torch.randn(1, 3, 10, 64).bfloat16(), torch.randn(1, 3, 10, 64).bfloat16()
+    assert not gemm.attention_takes(q, k, v, None)
+    mask = torch.zeros(1, 1, 1, 10, dtype=torch.bfloat16)
+    assert not gemm.attention_takes(q, k, v, mask)

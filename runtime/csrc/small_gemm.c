@@ -103,22 +103,23 @@ static inline __attribute__((always_inline)) void block(const int M, const int b
 }
 
 #define BLOCKS(T, BF)                                                                                          \
-    static void block_##T##_1(const float *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) { \
-        block(1, BF, x, ldx, p, k0, k1, acc); }                                                                \
-    static void block_##T##_2(const float *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) { \
-        block(2, BF, x, ldx, p, k0, k1, acc); }                                                                \
-    static void block_##T##_3(const float *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) { \
-        block(3, BF, x, ldx, p, k0, k1, acc); }                                                                \
-    static void block_##T##_4(const float *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) { \
-        block(4, BF, x, ldx, p, k0, k1, acc); }                                                                \
-    static void block_##T##_5(const float *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) { \
-        block(5, BF, x, ldx, p, k0, k1, acc); }                                                                \
-    static void block_##T##_6(const float *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) { \
-        block(6, BF, x, ldx, p, k0, k1, acc); }
+    static void block_##T##_1(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {  \
+        block(1, BF, (const float *)x, ldx, p, k0, k1, acc); }                                                                \
+    static void block_##T##_2(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {  \
+        block(2, BF, (const float *)x, ldx, p, k0, k1, acc); }                                                                \
+    static void block_##T##_3(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {  \
+        block(3, BF, (const float *)x, ldx, p, k0, k1, acc); }                                                                \
+    static void block_##T##_4(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {  \
+        block(4, BF, (const float *)x, ldx, p, k0, k1, acc); }                                                                \
+    static void block_##T##_5(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {  \
+        block(5, BF, (const float *)x, ldx, p, k0, k1, acc); }                                                                \
+    static void block_##T##_6(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {  \
+        block(6, BF, (const float *)x, ldx, p, k0, k1, acc); }
 BLOCKS(f32, 0)
 BLOCKS(bf16, 1)
 
-typedef void (*block_fn)(const float *, int64_t, const void *, int64_t, int64_t, float *);
+/* x: the first row (float32 here; bf16 for the dot-product blocks), ldx: elements between rows */
+typedef void (*block_fn)(const void *, int64_t, const void *, int64_t, int64_t, float *);
 static const block_fn BLOCK_F32[MR + 1] = {0, block_f32_1, block_f32_2, block_f32_3, block_f32_4, block_f32_5, block_f32_6};
 static const block_fn BLOCK_BF16[MR + 1] = {0, block_bf16_1, block_bf16_2, block_bf16_3, block_bf16_4, block_bf16_5,
                                             block_bf16_6};
@@ -133,27 +134,29 @@ static inline int64_t split_rows(int64_t g, int mr, int *sizes) {
 }
 
 /* out [m, n] = x [m, k] W^T (+ bias). Panels are split between threads. Within a panel, up to
- * GROUP rows at a time: register blocks of as equal sizes as MR allows (9 rows: 5 + 4, not
- * 6 + 3), which take turns over KC panel rows at a time, so that the panel is read from memory
- * once while every block computes (the first block alone would wait on memory, the others on
- * arithmetic); each block's sums wait in acc in between. */
-static void product(const block_fn *blocks_of, int bf16, const float *x, int64_t m, const void *panel,
-                    const float *bias, void *out, int64_t n, int64_t k, int threads) {
-    const size_t wbytes = bf16 ? sizeof(uint16_t) : sizeof(float);
+ * GROUP rows at a time: register blocks of as equal sizes as ``mr`` allows (9 rows, mr 6: 5 + 4,
+ * not 6 + 3), which take turns over KC panel rows at a time, so that the panel is read from
+ * memory once while every block computes (the first block alone would wait on memory, the others
+ * on arithmetic); each block's sums wait in acc in between. A panel has ``steps`` rows of
+ * ``row_bytes`` (k rows of 16 weights; k / 2 rows of 16 pairs for the dot-product blocks); x's
+ * elements are ``xbytes`` wide; the output is bf16 where ``bf16`` is set, float32 otherwise. */
+static void product(const block_fn *blocks_of, int mr, int bf16, const void *x, size_t xbytes, int64_t m,
+                    const void *panel, int64_t steps, size_t row_bytes, const float *bias, void *out, int64_t n,
+                    int64_t k, int threads) {
     int64_t panels = (n + NB - 1) / NB;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t b = 0; b < panels; b++) {
         float acc[GROUP * NB];
-        const char *p = (const char *)panel + b * k * NB * wbytes;
+        const char *p = (const char *)panel + b * steps * row_bytes;
         int cols = n - b * NB < NB ? (int)(n - b * NB) : NB;
         for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
             int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
             int sizes[GROUP];
-            const int64_t tiles = split_rows(g, MR, sizes);
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                int64_t k1 = k - k0 < KC ? k : k0 + KC;
+            const int64_t tiles = split_rows(g, mr, sizes);
+            for (int64_t k0 = 0; k0 < steps; k0 += KC) {
+                int64_t k1 = steps - k0 < KC ? steps : k0 + KC;
                 for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
-                    blocks_of[sizes[t]](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
+                    blocks_of[sizes[t]]((const char *)x + (g0 + row) * k * xbytes, k, p, k0, k1, acc + row * NB);
             }
             for (int64_t r = 0; r < g; r++) {
                 float *v = acc + r * NB;
@@ -172,7 +175,7 @@ static void product(const block_fn *blocks_of, int bf16, const float *x, int64_t
 
 void specstore_linear_f32(const float *x, int64_t m, const float *panel, const float *bias, float *out,
                           int64_t n, int64_t k, int threads) {
-    product(BLOCK_F32, 0, x, m, panel, bias, out, n, k, threads);
+    product(BLOCK_F32, MR, 0, x, sizeof(float), m, panel, k, NB * sizeof(float), bias, out, n, k, threads);
 }
 
 /* bf16 inputs, weights, bias and output; float32 arithmetic (module doc). Returns 0, or -1
@@ -184,7 +187,7 @@ int specstore_linear_bf16(const uint16_t *x, int64_t m, const uint16_t *panel, c
     for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_f32(x[i]);
     float *bf = bias ? xf + m * k : 0;
     for (int64_t i = 0; bias && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
-    product(BLOCK_BF16, 1, xf, m, panel, bf, out, n, k, threads);
+    product(BLOCK_BF16, MR, 1, xf, sizeof(float), m, panel, k, NB * sizeof(uint16_t), bf, out, n, k, threads);
     free(xf);
     return 0;
 }
@@ -230,41 +233,28 @@ static inline __attribute__((always_inline)) void block_dp(const int M, const ui
     for (int r = 0; r < M; r++) _mm512_storeu_ps(acc + r * NB, a[r]);
 }
 
-typedef void (*block_dp_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int64_t, float *);
 #define BLOCK_DP(R)                                                                                             \
-    static void block_dp_##R(const uint16_t *x, int64_t ldx, const uint16_t *p, int64_t k0, int64_t k1,         \
-                             float *acc) { block_dp(R, x, ldx, p, k0, k1, acc); }
+    static void block_dp_##R(const void *x, int64_t ldx, const void *p, int64_t k0, int64_t k1, float *acc) {    \
+        block_dp(R, (const uint16_t *)x, ldx, (const uint16_t *)p, k0, k1, acc); }
 BLOCK_DP(1) BLOCK_DP(2) BLOCK_DP(3) BLOCK_DP(4) BLOCK_DP(5) BLOCK_DP(6)
 BLOCK_DP(7) BLOCK_DP(8) BLOCK_DP(9) BLOCK_DP(10) BLOCK_DP(11) BLOCK_DP(12)
-static const block_dp_fn BLOCKS_DP[MRD + 1] = {0, block_dp_1, block_dp_2, block_dp_3, block_dp_4, block_dp_5,
+static const block_fn BLOCKS_DP[MRD + 1] = {0, block_dp_1, block_dp_2, block_dp_3, block_dp_4, block_dp_5,
                                                block_dp_6, block_dp_7, block_dp_8, block_dp_9, block_dp_10,
                                                block_dp_11, block_dp_12};
 
-/* bf16 x [m, k] (k even) times the pair panels; bf16 bias and output. Same schedule as product(). */
-void specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel, const uint16_t *bias,
-                             uint16_t *out, int64_t n, int64_t k, int threads) {
-    const int64_t pairs = k / 2, panels = (n + NB - 1) / NB;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t b = 0; b < panels; b++) {
-        float acc[GROUP * NB];
-        const uint16_t *p = panel + b * pairs * 2 * NB;
-        int cols = n - b * NB < NB ? (int)(n - b * NB) : NB;
-        for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
-            int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
-            int sizes[GROUP];
-            const int64_t tiles = split_rows(g, MRD, sizes);
-            for (int64_t k0 = 0; k0 < pairs; k0 += KC) {
-                int64_t k1 = pairs - k0 < KC ? pairs : k0 + KC;
-                for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
-                    BLOCKS_DP[sizes[t]](x + (g0 + row) * k, k, p, k0, k1, acc + row * NB);
-            }
-            for (int64_t r = 0; r < g; r++) {
-                float *v = acc + r * NB;
-                uint16_t *o = out + (g0 + r) * n + b * NB;
-                for (int j = 0; j < cols; j++) o[j] = f32_to_bf16(bias ? v[j] + bf16_to_f32(bias[b * NB + j]) : v[j]);
-            }
-        }
+/* bf16 x [m, k] (k even) times the pair panels; bf16 bias and output (the bias added in float32,
+ * as product() adds it). Returns 0, or -1 where the bias's float32 copy could not be allocated. */
+int specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel, const uint16_t *bias,
+                            uint16_t *out, int64_t n, int64_t k, int threads) {
+    float *bf = 0;
+    if (bias) {
+        bf = malloc((size_t)n * sizeof(float));
+        if (!bf) return -1;
+        for (int64_t i = 0; i < n; i++) bf[i] = bf16_to_f32(bias[i]);
     }
+    product(BLOCKS_DP, MRD, 1, x, sizeof(uint16_t), m, panel, k / 2, 2 * NB * sizeof(uint16_t), bf, out, n, k, threads);
+    free(bf);
+    return 0;
 }
 
 /* Attention of a few query rows over a cache, bf16 in and out, float32 inside (runtime/attention.py
