@@ -245,6 +245,26 @@ def test_kernel_attention_equals_float64_within_bf16_rounding(heads, kv_heads, d
 
 
 @needs_attention
+def test_kernel_attention_adds_a_masks_finite_values_and_skips_only_zeros():
+    """Rows whose allowed keys all have a mask of 0 skip the addition (x + 0 = x); a row whose
+    mask holds other finite values (a bias) still has them added, and agrees with float64."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, nq, keys = 9, 3, 64, 4, 90
+    q = torch.randn(1, heads, nq, dim, generator=g).bfloat16()
+    k = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
+    v = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
+    mask = torch.zeros(1, 1, nq, keys, dtype=torch.bfloat16)
+    mask[0, 0, 1] = (torch.randn(keys, generator=g) * 3).bfloat16()  # a bias on one row
+    mask[0, 0, 2, 50:] = torch.finfo(torch.bfloat16).min
+    mask[0, 0, 3, :10] = -0.0  # negative zeros add nothing either
+    got = gemm.attention(q, k, v, mask, 0.2)
+    torch.testing.assert_close(got.double(), _attention_reference(q, k, v, mask, 0.2), rtol=1e-2, atol=1e-2)
+    unbiased = gemm.attention(q, k, v, torch.zeros_like(mask), 0.2)
+    assert not torch.equal(got[0, 1], unbiased[0, 1])  # the bias moved row 1
+    assert torch.equal(got[0, 0], unbiased[0, 0]) and torch.equal(got[0, 3], unbiased[0, 3])
+
+
+@needs_attention
 def test_kernel_attention_rows_are_the_bits_of_plain_decodings_step():
     """A row that attends some keys among masked ones (a tree node: the cache and its ancestors)
     gives the same bits as one query over exactly those keys without a mask (plain decoding's

@@ -266,7 +266,8 @@ int specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel,
  * h / (heads / kv_heads).
  *
  * A row attends its allowed keys (mask above -1e30) in their order, as a list: scores
- * scale x (q . k) + mask, one dot product per key in a fixed order; their maximum; exp(s - max)
+ * scale x (q . k) + mask (not added where all of a row's allowed entries are +-0: x + 0 = x), one
+ * dot product per key in a fixed order; their maximum (exact in any order); exp(s - max)
  * of the list's entries in groups of 16 (the t-th allowed key in lane t mod 16); the sum of those
  * lanes, reduced at the end; the weighted sum of values, one fused multiply-add per key in list
  * order. Everything a row computes depends only on its query and its allowed keys in order, not
@@ -307,13 +308,23 @@ static inline float exp_list(float *s, int64_t m, float best) {
     return _mm512_reduce_add_ps(sum);
 }
 
+/* the largest of s[0 .. m-1] (NaN entries ignored, as a scalar ``s > best ? s : best`` would):
+ * max is exact, so the order does not matter */
+static inline float max_list(const float *s, int64_t m) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < m; t += ATT_LANES) {
+        __mmask16 live = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
+        top = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + t), top);
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
 /* one row: its allowed keys idx[0 .. m-1]; scratch s[m + 16] */
 static void attend_row(const uint16_t *qr, const uint16_t *kh, const uint16_t *vh, int64_t dim, const uint16_t *mrow,
                        const int32_t *idx, int64_t m, float scale, float *s, uint16_t *o) {
     const int64_t chunks = dim / 32; /* 32 bf16 per register */
     __m512bh qv[ATT_MAX_DIM / 32];
     for (int64_t c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(qr + 32 * c));
-    float best = -INFINITY;
     for (int64_t t = 0; t < m; t++) {
         const uint16_t *kr = kh + (int64_t)idx[t] * dim;
         __m512 acc = _mm512_setzero_ps();
@@ -322,9 +333,8 @@ static void attend_row(const uint16_t *qr, const uint16_t *kh, const uint16_t *v
         float v = _mm512_reduce_add_ps(acc) * scale;
         if (mrow) v += bf16_to_f32(mrow[idx[t]]);
         s[t] = v;
-        best = v > best ? v : best;
     }
-    float total = exp_list(s, m, best);
+    float total = exp_list(s, m, max_list(s, m));
     __m512 acc[ATT_MAX_DIM / 16];
     const int64_t lanes = dim / 16;
     for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
@@ -409,9 +419,7 @@ static inline __attribute__((always_inline)) void attend_group(const uint16_t *q
         float *sr = s + r * s_stride;
         if (mrow)
             for (int64_t t = 0; t < m; t++) sr[t] += bf16_to_f32(mrow[idx[t]]);
-        float best = -INFINITY;
-        for (int64_t t = 0; t < m; t++) best = sr[t] > best ? sr[t] : best;
-        total[r] = exp_list(sr, m, best);
+        total[r] = exp_list(sr, m, max_list(sr, m));
     }
     __m512 acc[GROUP_MAX_REP][GROUP_MAX_DIM / 16];
     for (int r = 0; r < GROUP_MAX_REP; r++)
@@ -462,18 +470,25 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
     const int64_t rep = heads / kv_heads;
     int32_t *idx = malloc((size_t)(nq * nk + 1) * sizeof(int32_t));
     int64_t *count = malloc((size_t)nq * sizeof(int64_t));
-    if (!idx || !count) {
+    const uint16_t **masks = malloc((size_t)nq * sizeof(*masks)); /* a row's mask, NULL where it adds nothing */
+    if (!idx || !count || !masks) {
         free(idx);
         free(count);
+        free(masks);
         return -2;
     }
     for (int64_t i = 0; i < nq; i++) { /* each query row's allowed keys, in order */
         int64_t c = 0;
         int32_t *row = idx + i * nk;
         const uint16_t *mr = mask ? mask + i * mask_stride : 0;
+        int zero = 1; /* every allowed key's mask is +-0: adding it changes no score (x + 0 = x) */
         for (int64_t j = 0; j < nk; j++)
-            if (!mr || bf16_to_f32(mr[j]) > -1e30f) row[c++] = (int32_t)j;
+            if (!mr || bf16_to_f32(mr[j]) > -1e30f) {
+                row[c++] = (int32_t)j;
+                zero &= !mr || (mr[j] & 0x7fff) == 0;
+            }
         count[i] = c;
+        masks[i] = zero ? 0 : mr;
     }
     int failed = 0;
     if (rep <= GROUP_MAX_REP && dim <= GROUP_MAX_DIM) { /* the grouped path: a query token's rows of a key/value head together */
@@ -496,13 +511,14 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
                     continue;
                 }
                 ATT_GROUPS[dim / 32 - 1][rep - 1](q + (g * rep * nq + i) * dim, nq * dim, k + g * k_head_stride,
-                                                  v + g * v_head_stride, mask ? mask + i * mask_stride : 0,
+                                                  v + g * v_head_stride, masks[i],
                                                   idx + i * nk, count[i], scale, s, s_stride, o, order);
             }
             free(s);
         }
         free(idx);
         free(count);
+        free(masks);
         return failed ? -2 : 0;
     }
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
@@ -521,12 +537,13 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
                 continue;
             }
             attend_row(q + (h * nq + i) * dim, k + g * k_head_stride, v + g * v_head_stride, dim,
-                       mask ? mask + i * mask_stride : 0, idx + i * nk, count[i], scale, s, out + (i * heads + h) * dim);
+                       masks[i], idx + i * nk, count[i], scale, s, out + (i * heads + h) * dim);
         }
         free(s);
     }
     free(idx);
     free(count);
+    free(masks);
     return failed ? -2 : 0;
 }
 
