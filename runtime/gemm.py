@@ -162,6 +162,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_attention_bf16.restype = i32
         lib.specstore_entropy_bf16.argtypes = [p, i64]
         lib.specstore_entropy_bf16.restype = ctypes.c_double
+    lib.elementwise = bool(lib.specstore_gemm_features() & 4)
+    if lib.elementwise:
+        lib.specstore_rmsnorm_bf16.argtypes = [p, p, p, i64, i64, ctypes.c_float]
+        lib.specstore_rmsnorm_bf16.restype = None
+        lib.specstore_silu_mul_bf16.argtypes = [p, p, p, i64]
+        lib.specstore_silu_mul_bf16.restype = None
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -246,6 +252,39 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         raise MemoryError("small_gemm: no memory for the attention's scratch")
     if code != 0:
         raise ValueError(f"small_gemm: attention refused its shapes ({code})")
+    return out
+
+
+def has_elementwise(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded kernel has the bf16 RMS norm and gated-MLP middle (fused.py takes them)."""
+    lib = lib or library()
+    return bool(lib is not None and getattr(lib, "elementwise", False))
+
+
+def _rows_bf16(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' RMS norm of bf16 rows ``x`` [..., dim] with a bf16 ``weight`` [dim] in one
+    call (csrc/small_gemm.c: specstore_rmsnorm_bf16); None where the kernel does not take it
+    (the caller runs its module's own forward)."""
+    if not (has_elementwise() and _rows_bf16(x, weight) and weight.dim() == 1 and x.dim() >= 1
+            and x.shape[-1] == weight.shape[0] and x.numel()):
+        return None
+    out = torch.empty_like(x)
+    _lib.specstore_rmsnorm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                x.shape[-1], float(eps))
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of bf16 tensors of one shape, each rounded to bf16 as torch rounds, in
+    one call (specstore_silu_mul_bf16); None where the kernel does not take it."""
+    if not (has_elementwise() and _rows_bf16(gate, up) and gate.shape == up.shape and gate.numel()):
+        return None
+    out = torch.empty_like(gate)
+    _lib.specstore_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
 
 

@@ -32,6 +32,7 @@ import torch
 from specstore.runtime.attention import use_packed_attention
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.kv_cache import growing_cache
+from specstore.runtime.fused import use_fused_elementwise
 from specstore.runtime.linear import use_packed_linears
 from specstore.runtime.sampling import Sampling, accept, pick
 from specstore.runtime.tree import DraftTree
@@ -146,6 +147,7 @@ class TreeVerifier:
         self.model = model
         use_packed_attention(model)  # trees attend to the cache without copying it (attention.py)
         use_packed_linears(model)  # CPU projections on weights packed once (linear.py)
+        use_fused_elementwise(model)  # bf16 CPU norms and MLP middles in one kernel call each (fused.py)
         self.sampling = sampling or Sampling()
         self.cache = growing_cache(model.config)  # appends in place (kv_cache.py)
         self.device = next(model.parameters()).device

@@ -211,7 +211,7 @@ int specstore_linear_bf16(const uint16_t *x, int64_t m, const uint16_t *panel, c
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 3; } /* 1: bf16 dot products, 2: attention */
+int specstore_gemm_features(void) { return 7; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -421,18 +421,36 @@ static inline __attribute__((always_inline)) void attend_group(const uint16_t *q
             for (int64_t t = 0; t < m; t++) sr[t] += bf16_to_f32(mrow[idx[t]]);
         total[r] = exp_list(sr, m, max_list(sr, m));
     }
+    /* the weights rounded to bf16 (to nearest, ties to even), two list entries to a 32-bit pair,
+     * in place over the row's float scratch (written behind where it is read) */
+    const int64_t pairs = (m + 1) / 2;
+    for (int r = 0; r < rep; r++) {
+        float *sr = s + r * s_stride;
+        for (int64_t t = 0; t < m; t += 2 * ATT_LANES) {
+            __mmask16 lo = m - t >= ATT_LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
+            int64_t rest = m - t - ATT_LANES;
+            __mmask16 hi = rest >= ATT_LANES ? (__mmask16)0xffff : rest > 0 ? (__mmask16)((1u << rest) - 1u) : 0;
+            __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, sr + t + ATT_LANES), _mm512_maskz_loadu_ps(lo, sr + t));
+            _mm512_storeu_si512((void *)((uint16_t *)sr + t), (__m512i)both);
+        }
+    }
     __m512 acc[GROUP_MAX_REP][GROUP_MAX_DIM / 16];
     for (int r = 0; r < GROUP_MAX_REP; r++)
         for (int c = 0; c < GROUP_MAX_DIM / 16; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < m; t++) {
-        const uint16_t *vr = vh + (int64_t)idx[t] * dim;
-        __m512 wide[GROUP_MAX_DIM / 16];
-        for (int c = 0; c < lanes; c++)
-            wide[c] = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c))), 16));
+    for (int64_t j = 0; j < pairs; j++) { /* entries 2j and 2j + 1: one dot-product step each */
+        const uint16_t *v0 = vh + (int64_t)idx[2 * j] * dim;
+        const uint16_t *v1 = 2 * j + 1 < m ? vh + (int64_t)idx[2 * j + 1] * dim : 0;
+        __m512bh both[GROUP_MAX_DIM / 16];
+        for (int c = 0; c < lanes; c++) {
+            __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c)));
+            __m512i b = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c))) : _mm512_setzero_si512();
+            both[c] = (__m512bh)_mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+        }
         for (int r = 0; r < rep; r++) {
-            __m512 w = _mm512_set1_ps(s[r * s_stride + t]);
-            for (int c = 0; c < lanes; c++) acc[r][c] = _mm512_fmadd_ps(w, wide[c], acc[r][c]);
+            int32_t w;
+            memcpy(&w, (const uint16_t *)(s + r * s_stride) + 2 * j, sizeof w);
+            __m512bh wv = (__m512bh)_mm512_set1_epi32(w);
+            for (int c = 0; c < lanes; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, both[c]);
         }
     }
     for (int r = 0; r < rep; r++) {
@@ -482,7 +500,20 @@ int specstore_attention_bf16(const uint16_t *q, int64_t heads, int64_t nq, int64
         int32_t *row = idx + i * nk;
         const uint16_t *mr = mask ? mask + i * mask_stride : 0;
         int zero = 1; /* every allowed key's mask is +-0: adding it changes no score (x + 0 = x) */
-        for (int64_t j = 0; j < nk; j++)
+        int64_t j = 0;
+        const __m512i step = _mm512_set1_epi32(ATT_LANES), magnitude = _mm512_set1_epi32(0x7fff);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (; j + ATT_LANES <= nk; j += ATT_LANES, at = _mm512_add_epi32(at, step)) { /* 16 keys at a time */
+            __mmask16 allowed = 0xffff;
+            if (mr) {
+                __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(mr + j)));
+                allowed = _mm512_cmp_ps_mask(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_set1_ps(-1e30f), _CMP_GT_OQ);
+                zero &= !_mm512_mask_test_epi32_mask(allowed, w, magnitude);
+            }
+            _mm512_mask_compressstoreu_epi32(row + c, allowed, at);
+            c += __builtin_popcount((unsigned)allowed);
+        }
+        for (; j < nk; j++)
             if (!mr || bf16_to_f32(mr[j]) > -1e30f) {
                 row[c++] = (int32_t)j;
                 zero &= !mr || (mr[j] & 0x7fff) == 0;
@@ -581,6 +612,72 @@ double specstore_entropy_bf16(const uint16_t *x, int64_t n) {
         ws += (double)e * d;
     }
     return log(zs) - ws / zs;
+}
+
+/* The elementwise parts of a decoding step's layers (runtime/fused.py), bf16 in and out, each
+ * value computed in float32 and rounded to bf16 (to nearest, ties to even, as f32_to_bf16) where
+ * transformers' bf16 modules round: a row's result depends only on that row. */
+
+/* float32 -> bf16 of 16 lanes, rounded as f32_to_bf16 rounds (NaN stays a quiet NaN) */
+static inline __m256i round_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __m512 widen_bf16(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* 16 bf16 from p (the n < 16 left at the end: the rest zeros) */
+static inline __m256i load16(const uint16_t *p, int64_t n) {
+    if (n >= ATT_LANES) return _mm256_loadu_si256((const __m256i *)p);
+    uint16_t tmp[ATT_LANES] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(uint16_t));
+    return _mm256_loadu_si256((const __m256i *)tmp);
+}
+
+static inline void store16(uint16_t *p, __m256i v, int64_t n) {
+    if (n >= ATT_LANES) {
+        _mm256_storeu_si256((__m256i *)p, v);
+        return;
+    }
+    uint16_t tmp[ATT_LANES];
+    _mm256_storeu_si256((__m256i *)tmp, v);
+    memcpy(p, tmp, (size_t)n * sizeof(uint16_t));
+}
+
+/* RMS norm of each row of x [rows, dim]: h x / sqrt(mean(h^2) + eps) rounded to bf16, times the
+ * weight, rounded again (transformers' LlamaRMSNorm in bf16); the mean's sum in 16 lanes (one
+ * fused multiply-add per value, in order), reduced at the end */
+void specstore_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim;
+        uint16_t *o = out + r * dim;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += ATT_LANES) {
+            __m512 h = widen_bf16(load16(xr + i, dim - i));
+            sum = _mm512_fmadd_ps(h, h, sum);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)dim + eps));
+        for (int64_t i = 0; i < dim; i += ATT_LANES) {
+            __m512 h = widen_bf16(round_bf16(_mm512_mul_ps(widen_bf16(load16(xr + i, dim - i)), inv)));
+            store16(o + i, round_bf16(_mm512_mul_ps(widen_bf16(load16(w + i, dim - i)), h)), dim - i);
+        }
+    }
+}
+
+/* out = silu(g) rounded to bf16, times u, rounded (a gated MLP's middle in bf16, as transformers'
+ * silu and product each round); silu(x) = x / (1 + e^-x) */
+void specstore_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += ATT_LANES) {
+        __m512 x = widen_bf16(load16(g + i, n - i));
+        __m512 act = widen_bf16(round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))))));
+        store16(out + i, round_bf16(_mm512_mul_ps(act, widen_bf16(load16(u + i, n - i)))), n - i);
+    }
 }
 #else
 int specstore_gemm_features(void) { return 0; }

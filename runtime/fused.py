@@ -1,0 +1,86 @@
+"""A decoding step's elementwise parts in one kernel call each, for bf16 models on the CPU.
+
+In a bf16 forward on the CPU each RMS norm is eight small torch ops (widen, square, mean, add,
+rsqrt, multiply, narrow, weight) and a gated MLP's middle two (silu, multiply), each a few
+microseconds of dispatch plus a pass over cold memory; torch's bf16 elementwise kernels also
+cost about 1 ns a value here, so every tree row adds to them (BENCHMARKS.md, sixteenth session:
+a 6-node tree's norms and MLP middles took ~1.3 ms more than a plain step's). The kernel
+(csrc/small_gemm.c, ``gemm.rmsnorm`` / ``gemm.silu_mul``) does each in one call, rounding to
+bf16 where transformers' modules round, and a row's result depends only on that row (so a tree
+verification still gives plain decoding's logits bit for bit).
+
+Owns ``use_fused_elementwise(model)``: switches the RMS norms and gated MLPs of known
+architectures (``NORMS``, ``MLPS``: Llama and the families that copy its modules) to subclasses
+whose forward takes the kernel's call when it applies (bf16 on the CPU, no gradient wanted,
+the kernel built with AVX-512 BF16) and the module's own forward otherwise. Weights, state dict
+and results in every other case are unchanged. ``SPECSTORE_CPU_FUSED=0`` leaves the modules as
+they are. The verifier switches its model (verify.py), as it does its linears (linear.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specstore.runtime import gemm
+
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * (x / rms(x)), bf16 rounded between
+MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")  # down(act(gate(x)) * up(x))
+_SWITCHED = "_specstore_fused"
+
+
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not _wants_grad(hidden_states, self.weight):
+        out = gemm.rmsnorm(hidden_states, self.weight, self.variance_epsilon)
+        if out is not None:
+            return out
+    return super(type(self), self).forward(hidden_states)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if not _wants_grad(gate, up):
+        middle = gemm.silu_mul(gate, up)
+        if middle is not None:
+            return self.down_proj(middle)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _fused_class(base: type, forward) -> type:
+    """``base`` with ``forward`` replaced, made once and kept in this module (a pickle finds it)."""
+    name = f"Fused{base.__name__}"
+    cls = globals().get(name)
+    if cls is None or cls.__bases__ != (base,):
+        cls = type(name, (base,), {"forward": forward, "__module__": __name__, _SWITCHED: True})
+        globals()[name] = cls
+    return cls
+
+
+def _silu(module: torch.nn.Module) -> bool:
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    return act == "silu" and all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def use_fused_elementwise(model: torch.nn.Module) -> int:
+    """Switch ``model``'s RMS norms and silu-gated MLPs of the known classes (module doc);
+    idempotent. Returns how many modules run switched (0 where the kernel has no such calls or
+    ``SPECSTORE_CPU_FUSED=0``)."""
+    if os.environ.get("SPECSTORE_CPU_FUSED", "1") == "0" or not gemm.has_elementwise():
+        return 0
+    count = 0
+    for m in model.modules():
+        cls = type(m)
+        if getattr(cls, _SWITCHED, False):
+            count += 1
+        elif cls.__name__ in NORMS and hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.Tensor):
+            m.__class__ = _fused_class(cls, _norm_forward)
+            count += 1
+        elif cls.__name__ in MLPS and _silu(m):
+            m.__class__ = _fused_class(cls, _mlp_forward)
+            count += 1
+    return count
