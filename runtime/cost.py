@@ -60,7 +60,8 @@ VERSION = 3  # of the cache file's layout (2: whole verification steps, not forw
 # over a panel, 10-20% faster at 7-17 rows, csrc/small_gemm.c; 9: NODE_COUNTS dense to 12, the
 # curve through them in place of a hinge; 10: the cache grows in place, kv_cache.py; 11: bf16 products
 # through the kernel's AVX-512 BF16 dot products, gemm.py, and SDPA over longer caches, attention.py;
-# 12: the kernel's attention skips zero masks and finds maxima in vectors, csrc/small_gemm.c)
+# 12: the kernel's attention skips zero masks, finds maxima in vectors and sums values by bf16 dot
+# products, csrc/small_gemm.c; bf16 RMS norms and MLP middles in the kernel, fused.py)
 VERIFIER_REVISION = 12
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a

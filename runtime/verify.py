@@ -31,8 +31,8 @@ import torch
 
 from specstore.runtime.attention import use_packed_attention
 from specstore.runtime.forward import forward_with_hidden
-from specstore.runtime.kv_cache import growing_cache
 from specstore.runtime.fused import use_fused_elementwise
+from specstore.runtime.kv_cache import growing_cache
 from specstore.runtime.linear import use_packed_linears
 from specstore.runtime.sampling import Sampling, accept, pick
 from specstore.runtime.tree import DraftTree
