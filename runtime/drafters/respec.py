@@ -52,6 +52,7 @@ The command line's ReSpec options live in respec_cli.py.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -243,27 +244,27 @@ class ReSpecDrafter:
         """The cost-aware signal (drafters/cost_aware.py): per node, the source, EMA score and
         context match (``Candidate.match``, binned by MATCH_EDGES) of the best-scored candidate
         through it, and how many chosen candidates pass through it (agreeing sources and threads
-        make a token likelier, as REST's and DReSD's shares do); ``prior`` score / (score + 1)."""
-        from specstore.runtime.drafters.cost_aware import bucketize
-
+        make a token likelier, as REST's and DReSD's shares do); ``prior`` score / (score + 1).
+        In Python lists: a proposal has at most a few dozen nodes, and numpy's per-call cost
+        right after a forward (cold caches) was most of this step's work."""
         n = len(tree)
-        best = np.full(n, -1.0)
-        source = np.zeros(n, dtype=np.int64)
-        match = np.zeros(n, dtype=np.int64)
-        support = np.zeros(n, dtype=np.int64)
+        best, source, match, support = [-1.0] * n, [0] * n, [0] * n, [0] * n
         for c, path in zip(chosen, tree.paths, strict=True):
-            s = self.score(c.key)
-            support[path] += 1
+            s, src, m = self.score(c.key), SOURCE_INDEX.get(c.source, len(SOURCE_INDEX)), c.match
             for node in path:
+                support[node] += 1
                 if s > best[node]:
-                    best[node], source[node], match[node] = s, SOURCE_INDEX.get(c.source, len(SOURCE_INDEX)), c.match
-        best = np.maximum(best, 0.0)
-        if self.config.cost_signal == "source":
-            support, match = np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        cell = (np.clip(support, 1, SUPPORT_CAP) - 1) * (len(MATCH_EDGES) + 1) + bucketize(match, MATCH_EDGES)
-        cell = cell * (len(SOURCE_INDEX) + 1) + source
-        tree.node_data["bucket"] = cell * (len(SCORE_EDGES) + 1) + bucketize(best, SCORE_EDGES)
-        tree.node_data["prior"] = best / (best + 1.0)
+                    best[node], source[node], match[node] = s, src, m
+        full = self.config.cost_signal == "full"
+        buckets, priors = [], []
+        for i in range(n):
+            b = max(best[i], 0.0)
+            cell = (min(max(support[i], 1), SUPPORT_CAP) - 1) * (len(MATCH_EDGES) + 1) + bisect.bisect_right(MATCH_EDGES, match[i]) if full else 0
+            cell = cell * (len(SOURCE_INDEX) + 1) + source[i]
+            buckets.append(cell * (len(SCORE_EDGES) + 1) + bisect.bisect_right(SCORE_EDGES, b))
+            priors.append(b / (b + 1.0))
+        tree.node_data["bucket"] = np.array(buckets, dtype=np.int64)
+        tree.node_data["prior"] = np.array(priors, dtype=float)
 
     def stats(self) -> dict:
         """How this request was drafted: steps that retrieved, steps that fell back, and with what."""
