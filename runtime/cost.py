@@ -103,6 +103,7 @@ class CostModel:
     pad_targets: list[int] = field(init=False, default_factory=list)
     _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
     _prior: list[float] | None = field(init=False, default=None, repr=False)  # observe's tree prior (never fades)
+    _rows: list[list[float]] | None = field(init=False, default=None, repr=False, compare=False)  # relative_upto's table rows
 
     def __post_init__(self) -> None:
         if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
@@ -227,6 +228,27 @@ class CostModel:
         (``level`` cancels): ``1 + tree_scale * (t / t0 - 1)``, plus ``tree_offset`` for a tree."""
         return self._relative(nodes, context, self._scalar_seconds(0, context))
 
+    def relative_upto(self, count: int, context: int | None = None) -> list[float]:
+        """``relative(np.arange(count + 1), context)`` as Python floats, the same bits: the
+        pruner asks for it every step, and the table's rows over node counts (which never
+        change) are computed once (numpy's interpolation) and kept, so a step does only the
+        interpolation in ``context`` and the online corrections, in the array path's order."""
+        rows = self._rows
+        if rows is None or len(rows[0]) <= count:
+            n = np.arange(max(count + 1, 65), dtype=float)
+            rows = [np.where(n > 0, _on_curve(xs, ys, n), t0).tolist() for (xs, ys), t0 in zip(self.curve, self.plain, strict=True)]
+            self._rows = rows
+        t0 = self._scalar_seconds(0, context)
+        first, last = rows[0], rows[-1]
+        scale, offset = self.tree_scale, self.tree_offset
+        if context is None or len(self.contexts) == 1:
+            table = first[: count + 1]
+        else:
+            c0, c1 = self.contexts[0], self.contexts[-1]
+            w = (float(context) - c0) / (c1 - c0)
+            table = [max(a + w * (b - a), min(a, b) * 0.5) for a, b in zip(first[: count + 1], last, strict=False)]
+        return [1.0 + scale * (t / t0 - 1.0) + (offset if k > 0 else 0.0) for k, t in enumerate(table)]
+
     def _relative(self, nodes, context: int | None, t0: float):
         if np.ndim(nodes) == 0:
             return 1.0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) / t0 - 1.0) + (self.tree_offset if nodes > 0 else 0.0)
@@ -235,7 +257,7 @@ class CostModel:
 
     def to_json(self) -> dict:
         out = {"version": VERSION, **asdict(self)}
-        del out["_sums"], out["_prior"]
+        del out["_sums"], out["_prior"], out["_rows"]
         return out
 
     def table_only(self) -> CostModel:

@@ -91,10 +91,14 @@ class DraftTree:
 
     def depths(self) -> np.ndarray:
         """Depth of each node: 1 for children of the root."""
+        return np.asarray(self.depth_list(), dtype=np.int64)
+
+    def depth_list(self) -> list[int]:
+        """``depths`` as Python ints (for loops over a few dozen nodes)."""
         depth: list[int] = []
         for p in self.parents.tolist():  # parents come first; Python ints, not numpy scalars
             depth.append(1 if p < 0 else depth[p] + 1)
-        return np.asarray(depth, dtype=np.int64)
+        return depth
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""

@@ -46,6 +46,7 @@ drafters); ``reset`` does not clear them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
@@ -128,31 +129,35 @@ class Calibrator:
         self.accepted_b: dict[int, float] = defaultdict(float)
 
     def probabilities(self, tree: DraftTree) -> np.ndarray:
-        """Calibrated conditional acceptance probability of each node of ``tree``."""
+        """Calibrated conditional acceptance probability of each node of ``tree``. In Python
+        floats, node by node: a proposal has a few dozen nodes, and each numpy call right after
+        a forward (cold caches) cost more than this whole loop (the arithmetic is numpy's, in the
+        same order: the same bits)."""
         n = len(tree)
         if n == 0:
             return np.zeros(0)
-        buckets = _buckets(tree)
+        buckets = _buckets(tree).tolist()
         priors = tree.node_data.get("prior")
-        priors = np.full(n, DEFAULT_PRIOR) if priors is None else np.clip(np.asarray(priors, dtype=float), 0.0, 1.0)
-        depths = np.minimum(tree.depths(), MAX_DEPTH_BIN)
+        priors = [DEFAULT_PRIOR] * n if priors is None else [min(max(float(x), 0.0), 1.0) for x in np.asarray(priors, dtype=float).tolist()]
+        depths = tree.depth_list()
         w = self.weight
-        # the counts of each distinct (bucket, depth) cell once, then per node in numpy
-        cells = list(zip(buckets.tolist(), depths.tolist(), strict=True))
-        distinct = {cell: k for k, cell in enumerate(dict.fromkeys(cells))}
-        which = np.fromiter((distinct[c] for c in cells), dtype=np.int64, count=n)
-        counts = np.array([(self.accepted_b.get(b, 0.0), self.tried_b.get(b, 0.0), self.accepted.get((b, d), 0.0),
-                            self.tried.get((b, d), 0.0)) for b, d in distinct], dtype=float)
-        acc_b, tried_b, acc, tried = (counts[which, j] for j in range(4))
-        pb = (acc_b + w * priors) / (tried_b + w)
-        p = (acc + w * pb) / (tried + w)
+        acc_b, tried_b, acc, tried = self.accepted_b, self.tried_b, self.accepted, self.tried
+        p, trials = [], []
+        for b, d, prior in zip(buckets, depths, priors, strict=True):
+            cell = (b, min(d, MAX_DEPTH_BIN))
+            pb = (acc_b.get(b, 0.0) + w * prior) / (tried_b.get(b, 0.0) + w)
+            t = tried.get(cell, 0.0)
+            p.append((acc.get(cell, 0.0) + w * pb) / (t + w))
+            trials.append(t)
         # siblings are exclusive: their probabilities may sum to 1 at most
-        group = tree.parents + 1  # 0: children of the root
-        total = np.bincount(group, weights=p, minlength=n + 1)
-        p = p / np.maximum(total, 1.0)[group]
+        parents = tree.parents.tolist()
+        total = [0.0] * (n + 1)  # by parent + 1 (0: children of the root), summed in node order
+        for i, parent in enumerate(parents):
+            total[parent + 1] += p[i]
+        p = [x / max(total[parent + 1], 1.0) for x, parent in zip(p, parents, strict=True)]
         if self.explore > 0:
-            p = np.minimum(p + self.explore / np.sqrt(1.0 + tried), 1.0)
-        return p
+            p = [min(x + self.explore / math.sqrt(1.0 + t), 1.0) for x, t in zip(p, trials, strict=True)]
+        return np.array(p)
 
     def update(self, tree: DraftTree, result: VerifyResult) -> None:
         """Count every node whose parent was accepted (or is the root) as one trial."""
@@ -198,12 +203,18 @@ def best_size(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | No
     n = len(tree)
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0, 1.0
-    q = path_probabilities(tree, p)
-    order = np.lexsort((np.arange(n), tree.depths(), -q))  # parents first on ties: prefix-closed
-    gain = 1.0 + np.concatenate([[0.0], np.cumsum(q[order])])
-    rate = gain / (np.asarray(cost.relative(np.arange(n + 1), context), dtype=float) + max(float(overhead), 0.0))
-    k = int(np.argmax(rate))  # the first maximum: the smaller tree on ties
-    return order, k, float(rate[k])
+    q = path_probabilities(tree, p).tolist()
+    depths = tree.depth_list()
+    order = sorted(range(n), key=lambda i: (-q[i], depths[i], i))  # parents first on ties: prefix-closed
+    prices = cost.relative_upto(n, context)
+    extra = max(float(overhead), 0.0)
+    best_k, best_rate, kept = 0, 1.0 / (prices[0] + extra), 0.0
+    for k in range(1, n + 1):  # the first maximum: the smaller tree on ties
+        kept += q[order[k - 1]]  # expected accepted tokens of the best k (numpy's cumsum order)
+        rate = (1.0 + kept) / (prices[k] + extra)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return np.asarray(order, dtype=np.int64), best_k, best_rate
 
 
 def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None,
