@@ -20,6 +20,10 @@ check fails, or ``SPECSTORE_CPU_KERNEL=0``. Threads: OpenMP, the same runtime to
 it), as many as ``torch.get_num_threads()``; where a second OpenMP runtime would be loaded the
 kernel is not used (two thread pools spinning on 2 cores slow each other several times over).
 
+Where the CPU has AVX-512 BF16 the same library holds bf16 attention for decoding's steps and
+trees (``attention``, taken by attention.py), ReSpec's entropy trigger (``entropy``) and the RMS
+norm and gated-MLP middle (``rmsnorm``, ``silu_mul``, taken by fused.py).
+
 linear.py routes products of up to ``MAX_ROWS`` rows here (float32 always; bf16 on CPUs
 without native bf16, where oneDNN emulates it); larger ones (a prompt's prefill) keep torch's.
 """
