@@ -269,8 +269,9 @@ int specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel,
  * scale x (q . k) + mask (not added where all of a row's allowed entries are +-0: x + 0 = x), one
  * dot product per key in a fixed order; their maximum (exact in any order); exp(s - max)
  * of the list's entries in groups of 16 (the t-th allowed key in lane t mod 16); the sum of those
- * lanes, reduced at the end; the weighted sum of values, one fused multiply-add per key in list
- * order. Everything a row computes depends only on its query and its allowed keys in order, not
+ * lanes, reduced at the end; the weighted sum of values in list order (attend_group: the weights
+ * rounded to bf16, one dot-product step per pair of list entries; attend_row: one fused
+ * multiply-add per key). Everything a row computes depends only on its query and its allowed keys in order, not
  * on the other rows, the masked keys or where the allowed ones sit: a tree node's row attending
  * the cache and its ancestors gives the bits plain decoding's 1-token step gives for that token
  * after the same tokens. */
