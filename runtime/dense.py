@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specstore.runtime import gemm
+
 NO_NEXT_TOKEN = -1  # stored next token of a document's last position (nothing follows it)
 
 
@@ -160,6 +162,40 @@ class DenseIndex:
             best, scores = self._search_ann(index, query, q, k, start, end)
         else:
             best, scores = self._scan(q, k, start, end)
+        return Neighbours(np.asarray(self.rows[start + best], dtype=np.int64), scores.astype(np.float32), next_token)
+
+    def search_hidden(self, normaliser, hidden: torch.Tensor, k: int, next_token: int) -> Neighbours:
+        """``search(normaliser.apply_torch(hidden), k, next_token)``: the ``k`` rows of the
+        ``next_token`` block nearest to the target's state ``hidden`` [H] under the version's
+        transform. On the CPU with the kernel (gemm.dense_top) the transform, the block's exact
+        scan and its top k are one call (an approximate block: the transform, then its index and
+        rerank as ``search``), the results those of ``search`` up to float32 rounding (sums in
+        another order: a near tie may order differently); elsewhere ``search`` itself."""
+        if self._torch_vectors is None and gemm.has_dense():
+            found = self._search_kernel(normaliser, hidden, k, next_token)
+            if found is not None:
+                return found
+        return self.search(normaliser.apply_torch(hidden.reshape(-1)), k, next_token=next_token)
+
+    def _search_kernel(self, normaliser, hidden: torch.Tensor, k: int, next_token: int) -> Neighbours | None:
+        start, end = self._blocks.get(int(next_token), (0, 0))
+        k = min(int(k), end - start)
+        if k <= 0:
+            return Neighbours(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+        weight, bias = normaliser.folded(torch.device("cpu"), torch.float32)
+        index = self._ann(int(next_token)) if self._ann is not None else None
+        if index is not None:  # the query from the kernel, the block through its approximate index
+            got = gemm.dense_top(hidden, weight, bias, normaliser.eps, None, None, 0, want_query=True)
+            if got is None:
+                return None
+            query = got[2]
+            q = torch.from_numpy(query / self._scales if self._scales is not None else query)
+            best, scores = self._search_ann(index, query, q, k, start, end)
+        else:
+            got = gemm.dense_top(hidden, weight, bias, normaliser.eps, self._scales, self._vectors[start:end], k)
+            if got is None:
+                return None
+            best, scores = got[0], got[1]
         return Neighbours(np.asarray(self.rows[start + best], dtype=np.int64), scores.astype(np.float32), next_token)
 
     def _scan(self, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:

@@ -41,6 +41,7 @@ import threading
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specstore.runtime.device import cpu_flags
@@ -172,6 +173,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_rmsnorm_bf16.restype = None
         lib.specstore_silu_mul_bf16.argtypes = [p, p, p, i64]
         lib.specstore_silu_mul_bf16.restype = None
+    lib.dense = bool(lib.specstore_gemm_features() & 8)
+    if lib.dense:
+        lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
+        lib.specstore_dense_top.restype = i64
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -290,6 +295,55 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(gate)
     _lib.specstore_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
+
+
+DENSE_MAX_DIM = 1024  # csrc/small_gemm.c: the widest reduced embedding specstore_dense_top takes
+DENSE_MAX_K = 256  # and the most neighbours
+
+
+def has_dense(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded kernel has the one-call dense search (``dense_top``)."""
+    lib = lib or library()
+    return bool(lib is not None and getattr(lib, "dense", False))
+
+
+def dense_top(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, scales: np.ndarray | None,
+              rows: np.ndarray | None, k: int, want_query: bool = False):
+    """One query's dense search in one call (csrc/small_gemm.c: specstore_dense_top): the unit
+    query ``p / max(|p|, eps)`` with ``p = hidden @ weight + bias`` (``hidden`` [H] bf16 or
+    float32 on the CPU; ``weight`` [H, D], ``bias`` [D] float32, contiguous), the ``k`` best of
+    ``rows`` [n, D] (int8 codes with per-dimension float32 ``scales``, or float32 rows with
+    ``scales`` None; C-contiguous; None: no scan) by inner product, best first, ties to the lower
+    offset. Returns (offsets int64 [m], scores float32 [m], the unit query float32 [D] or None
+    without ``want_query``), or None where the kernel does not take the call (the caller runs
+    torch's way)."""
+    if not has_dense() or hidden.device.type != "cpu" or hidden.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32 or not (weight.is_contiguous() and bias.is_contiguous()):
+        return None
+    hsize, dim = weight.shape
+    if hidden.numel() != hsize or bias.numel() != dim or dim > DENSE_MAX_DIM or not 0 <= k <= DENSE_MAX_K:
+        return None
+    n = 0
+    if rows is not None:
+        int8 = rows.dtype == np.int8
+        if (not (int8 or rows.dtype == np.float32) or rows.ndim != 2 or rows.shape[1] != dim
+                or not rows.flags.c_contiguous or (scales is None) == int8):
+            return None
+        n = rows.shape[0]
+    if scales is not None and (scales.dtype != np.float32 or scales.shape != (dim,) or not scales.flags.c_contiguous):
+        return None
+    hidden = hidden.detach().reshape(-1).contiguous()
+    idx, scores = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.float32)
+    query = np.empty(dim, dtype=np.float32) if want_query else None
+    found = _lib.specstore_dense_top(
+        hidden.data_ptr(), int(hidden.dtype == torch.bfloat16), hsize, weight.data_ptr(), bias.data_ptr(), dim,
+        float(eps), None if scales is None else scales.ctypes.data, None if n == 0 else rows.ctypes.data,
+        int(rows is not None and rows.dtype == np.int8), n, k, torch.get_num_threads(),
+        None if query is None else query.ctypes.data, idx.ctypes.data, scores.ctypes.data)
+    if found < 0:
+        return None
+    return idx[:found], scores[:found], query
 
 
 def entropy(logits: torch.Tensor) -> float | None:

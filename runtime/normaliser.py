@@ -54,16 +54,28 @@ class Normaliser:
         affine map: ``((h - mean) / std - pca_mean) @ C.T`` = ``h @ (C / std).T - offset`` (the
         folded parameters are computed in float64, then converted once per device and dtype; one
         product instead of three passes over the hidden state)."""
-        key = (hidden.device, hidden.dtype)
+        weight, bias = self.folded(hidden.device, hidden.dtype)
+        p = torch.addmm(bias, hidden.reshape(-1, hidden.shape[-1]), weight).reshape(*hidden.shape[:-1], -1)
+        return p / p.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+
+    def folded(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transform's affine part as ``(weight [H, D], bias [D])``, contiguous, in ``dtype`` on
+        ``device``: ``(h - mean) / std - pca_mean`` projected is ``h @ weight + bias`` (computed in
+        float64 once, converted once per device and dtype). The L2 norm follows it (``_transform``;
+        runtime/dense.py's one-call search runs both in the kernel)."""
+        key = (torch.device(device), dtype)
         params = self._tensors.get(key)
         if params is None:
             scaled = np.asarray(self.components, dtype=np.float64) / np.maximum(self.std, _EPS)  # [D, H]
             offset = (np.asarray(self.mean, dtype=np.float64) + np.maximum(self.std, _EPS) * self.pca_mean) @ scaled.T
-            params = self._tensors[key] = (torch.as_tensor(np.ascontiguousarray(scaled.T), dtype=hidden.dtype, device=hidden.device),
-                                           torch.as_tensor(-offset, dtype=hidden.dtype, device=hidden.device))
-        weight, bias = params
-        p = torch.addmm(bias, hidden.reshape(-1, hidden.shape[-1]), weight).reshape(*hidden.shape[:-1], -1)
-        return p / p.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+            params = self._tensors[key] = (torch.as_tensor(np.ascontiguousarray(scaled.T), dtype=dtype, device=device),
+                                           torch.as_tensor(-offset, dtype=dtype, device=device).contiguous())
+        return params
+
+    @property
+    def eps(self) -> float:
+        """The floor of the projected vector's norm before the L2 division."""
+        return _EPS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_tensors", {})

@@ -217,8 +217,7 @@ class DenseSource:
         ``pending``) among those whose stored next token is ``pending``, best first."""
         if k <= 0 or self.index.block_size(pending) == 0:
             return Neighbours(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
-        query = self.normaliser.apply_torch(hidden.reshape(-1))
-        return self.index.search(query, k, next_token=pending)
+        return self.index.search_hidden(self.normaliser, hidden, k, pending)
 
     def drafts(self, found: Neighbours, length: int) -> list[Continuation]:
         """Each neighbour's stored continuation after the pending token (at most ``length``

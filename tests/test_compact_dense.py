@@ -446,3 +446,35 @@ def test_converted_blocks_are_kept_within_their_budget_and_change_no_result(monk
     fresh = dense_mod.DenseIndex.from_blocks(codes, scales, rows, blocks)
     fresh._block_tensor(0, 100)
     assert not fresh._converted and fresh._converted_bytes == 0
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_search_hidden_finds_what_search_finds_through_the_kernel(tmp_path, monkeypatch, compact):
+    """DenseIndex.search_hidden: the transform, an exact block's scan and its top k in one kernel
+    call (gemm.dense_top; an approximate block: the query from it, then the index), with the
+    rows and scores of ``search(normaliser.apply_torch(h))``; without the kernel, search itself."""
+    from specstore.runtime import gemm
+
+    store, manifest, docs, hiddens = skewed_store(tmp_path, ann_threshold=500, compact=compact)
+    ds = Datastore.open(store, "code", INFO)
+    calls = []
+    real = gemm.dense_top
+    monkeypatch.setattr(gemm, "dense_top", lambda *a, **k: calls.append(a[5] is None) or real(*a, **k))
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        hidden = torch.from_numpy(rng.normal(size=16).astype(np.float32))
+        for h in (hidden, hidden.bfloat16()):
+            for token in range(6):
+                got = ds.dense.search_hidden(ds.normaliser, h, K, token)
+                want = ds.dense.search(ds.normaliser.apply_torch(h), K, next_token=token)
+                assert got.rows.tolist() == want.rows.tolist() and got.next_token == token
+                np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-5)
+    if gemm.has_dense():
+        assert calls.count(False) > 0  # exact blocks scanned in the kernel
+        assert calls.count(True) == (40 if compact else 0)  # the approximate block: its query from the kernel
+    monkeypatch.setattr(gemm, "has_dense", lambda lib=None: False)
+    calls.clear()
+    h = torch.from_numpy(rng.normal(size=16).astype(np.float32))
+    assert ds.dense.search_hidden(ds.normaliser, h, K, 1).rows.tolist() == ds.dense.search(
+        ds.normaliser.apply_torch(h), K, next_token=1).rows.tolist()
+    assert calls == []

@@ -323,3 +323,67 @@ def test_attention_is_not_taken_where_the_kernel_has_none(monkeypatch):
     assert not gemm.attention_takes(q, k, v, None)
     mask = torch.zeros(1, 1, 1, 10, dtype=torch.bfloat16)
     assert not gemm.attention_takes(q, k, v, mask)
+
+
+needs_dense = pytest.mark.skipif(not gemm.has_dense(), reason="the kernel has no dense search here (needs AVX-512)")
+
+
+def _dense_reference(hidden, weight, bias, eps, scales, rows, k):
+    """The torch path of dense.py in float64: unit query, its scaled form, the k best rows by
+    score (ties to the lower offset)."""
+    p = hidden.double() @ weight.double() + bias.double()
+    p = p / max(float(p.norm()), eps)
+    q = p.numpy() / (scales.astype(np.float64) if scales is not None else 1.0)
+    scores = rows.astype(np.float64) @ q
+    order = np.lexsort((np.arange(len(scores)), -scores))[:k]
+    return order, scores[order], p.numpy()
+
+
+@needs_dense
+@pytest.mark.parametrize("n", [0, 1, 5, 300, 20000])  # 20000: past DENSE_PARALLEL_ROWS, halves merged
+@pytest.mark.parametrize("kind", ["int8", "float32"])
+def test_dense_top_finds_the_best_rows_with_ties_to_the_lower_offset(n, kind):
+    rng = np.random.default_rng(n)
+    hsize, dim, k = 40, 24, 7  # dims not a multiple of 16: the tails too
+    weight = torch.from_numpy(rng.normal(size=(hsize, dim)).astype(np.float32))
+    bias = torch.from_numpy(rng.normal(size=dim).astype(np.float32))
+    hidden = torch.from_numpy(rng.normal(size=hsize).astype(np.float32))
+    if kind == "int8":
+        rows = rng.integers(-127, 128, size=(n, dim)).astype(np.int8)
+        scales = rng.uniform(50, 200, size=dim).astype(np.float32)
+    else:
+        rows, scales = rng.normal(size=(n, dim)).astype(np.float32), None
+    if n >= 300:  # exact ties: copies of one row, early and late, each of which is among the best
+        _, _, unit = _dense_reference(hidden, weight, bias, 1e-6, scales, rows[:1], 1)
+        best = np.clip(np.round(unit * (scales if scales is not None else 1.0) * 40), -127, 127).astype(rows.dtype)
+        for at in (n - 3, 17, 2, n // 2):
+            rows[at] = best
+    found = gemm.dense_top(hidden, weight, bias, 1e-6, scales, rows, k, want_query=True)
+    order, scores, unit = _dense_reference(hidden, weight, bias, 1e-6, scales, rows, k)
+    assert found is not None
+    idx, got, query = found
+    assert idx.tolist() == order.tolist()
+    np.testing.assert_allclose(got, scores, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(query, unit, rtol=1e-5, atol=1e-6)
+    if n >= 300:
+        assert idx[:4].tolist() == [2, 17, n // 2, n - 3]  # the four copies first, lower offsets first
+    bf16 = gemm.dense_top(hidden.bfloat16(), weight, bias, 1e-6, scales, rows, k)  # bf16 states, widened exactly
+    order16, _, _ = _dense_reference(hidden.bfloat16().float(), weight, bias, 1e-6, scales, rows, k)
+    assert bf16[0].tolist() == order16.tolist()
+
+
+@needs_dense
+def test_dense_top_refuses_what_it_does_not_take_and_drops_nan_scores():
+    weight, bias = torch.randn(8, 4), torch.randn(4)
+    rows = np.zeros((3, 4), dtype=np.int8)
+    scales = np.ones(4, dtype=np.float32)
+    assert gemm.dense_top(torch.randn(8), weight, bias, 1e-6, None, rows, 2) is None  # int8 rows need scales
+    assert gemm.dense_top(torch.randn(8), weight, bias, 1e-6, scales, rows.astype(np.int16), 2) is None
+    assert gemm.dense_top(torch.randn(8), weight, bias, 1e-6, scales, np.zeros((3, 8), np.int8)[:, ::2], 2) is None  # strided
+    assert gemm.dense_top(torch.randn(7), weight, bias, 1e-6, scales, rows, 2) is None  # hidden size
+    assert gemm.dense_top(torch.randn(8).double(), weight, bias, 1e-6, scales, rows, 2) is None
+    assert gemm.dense_top(torch.randn(8), weight, bias, 1e-6, scales, rows, gemm.DENSE_MAX_K + 1) is None
+    idx, scores, _ = gemm.dense_top(torch.full((8,), float("nan")), weight, bias, 1e-6, scales, rows, 2)
+    assert idx.size == 0 and scores.size == 0
+    idx, scores, _ = gemm.dense_top(torch.zeros(8), torch.zeros(8, 4), torch.zeros(4), 1e-6, scales, rows, 5)
+    assert idx.tolist() == [0, 1, 2] and scores.tolist() == [0.0, 0.0, 0.0]  # a zero query: all tie, k > n

@@ -211,7 +211,7 @@ int specstore_linear_bf16(const uint16_t *x, int64_t m, const uint16_t *panel, c
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 7; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate */
+int specstore_gemm_features(void) { return 15; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -679,6 +679,96 @@ void specstore_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out
         __m512 act = widen_bf16(round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))))));
         store16(out + i, round_bf16(_mm512_mul_ps(act, widen_bf16(load16(u + i, n - i)))), n - i);
     }
+}
+
+/* DReSD's dense search of one query in one block (runtime/dense.py: DenseIndex.search_hidden),
+ * in one call instead of a dozen small torch and numpy ones, each on cold caches right after a
+ * forward. The query: p = h W + b (h [H] bf16 or float32, the normaliser's folded affine map
+ * W [H][D], b [D], float32), p / max(|p|, eps) (written to ``query`` where it is not NULL: an
+ * approximate index searches with it), then divided by the codes' per-dimension ``scales``
+ * (NULL: float32 rows). Scores: each of the n rows (int8 codes, or float32 rows; D values
+ * each, rows contiguous) dotted with it in float32. The k best (score descending, ties to the
+ * lower offset, as dense._top) go to idx and scores; returns how many (fewer where n < k or
+ * scores are NaN). float32 sums in 16 lanes: scores agree with torch's to rounding, not bits. */
+#define DENSE_MAX_DIM 1024
+#define DENSE_MAX_K 256
+#define DENSE_PARALLEL_ROWS 16384 /* blocks this long are scanned by every thread, halves merged */
+
+static inline void top_insert(float score, int64_t at, int64_t k, int64_t *count, int64_t *idx, float *scores) {
+    if (!(score == score)) return;
+    int64_t c = *count;
+    if (c == k && !(score > scores[k - 1])) return; /* ties keep the earlier (lower) offset */
+    int64_t i = c < k ? c : k - 1;
+    while (i > 0 && (scores[i - 1] < score || (scores[i - 1] == score && idx[i - 1] > at))) {
+        scores[i] = scores[i - 1];
+        idx[i] = idx[i - 1];
+        i--;
+    }
+    scores[i] = score;
+    idx[i] = at;
+    if (c < k) *count = c + 1;
+}
+
+static inline float row_score(const void *codes, int codes_int8, int64_t r, int64_t dim, const float *q) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    if (codes_int8) {
+        const int8_t *row = (const int8_t *)codes + r * dim;
+        for (; j + 16 <= dim; j += 16)
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + j)))),
+                                  _mm512_loadu_ps(q + j), acc);
+        float tail = 0.0f;
+        for (; j < dim; j++) tail += (float)row[j] * q[j];
+        return _mm512_reduce_add_ps(acc) + tail;
+    }
+    const float *row = (const float *)codes + r * dim;
+    for (; j + 16 <= dim; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(q + j), acc);
+    float tail = 0.0f;
+    for (; j < dim; j++) tail += row[j] * q[j];
+    return _mm512_reduce_add_ps(acc) + tail;
+}
+
+int64_t specstore_dense_top(const void *hidden, int hidden_bf16, int64_t hsize, const float *weight, const float *bias,
+                            int64_t dim, float eps, const float *scales, const void *codes, int codes_int8, int64_t n,
+                            int64_t k, int threads, float *query, int64_t *idx, float *scores) {
+    if (dim <= 0 || dim > DENSE_MAX_DIM || k > DENSE_MAX_K || k < 0) return -1;
+    float p[DENSE_MAX_DIM], q[DENSE_MAX_DIM];
+    for (int64_t j = 0; j < dim; j++) p[j] = bias ? bias[j] : 0.0f;
+    for (int64_t i = 0; i < hsize; i++) { /* p += h[i] W[i]: the weight read once, in rows */
+        float h = hidden_bf16 ? bf16_to_f32(((const uint16_t *)hidden)[i]) : ((const float *)hidden)[i];
+        const float *w = weight + i * dim;
+        int64_t j = 0;
+        const __m512 hv = _mm512_set1_ps(h);
+        for (; j + 16 <= dim; j += 16) _mm512_storeu_ps(p + j, _mm512_fmadd_ps(hv, _mm512_loadu_ps(w + j), _mm512_loadu_ps(p + j)));
+        for (; j < dim; j++) p[j] += h * w[j];
+    }
+    float norm = 0.0f;
+    for (int64_t j = 0; j < dim; j++) norm += p[j] * p[j];
+    norm = sqrtf(norm);
+    if (!(norm > eps)) norm = norm == norm ? eps : norm;
+    for (int64_t j = 0; j < dim; j++) {
+        p[j] /= norm;
+        q[j] = scales ? p[j] / scales[j] : p[j];
+    }
+    if (query) memcpy(query, p, (size_t)dim * sizeof(float));
+    if (n <= 0 || k == 0) return 0;
+    int64_t count = 0;
+    if (n < DENSE_PARALLEL_ROWS || threads < 2) {
+        for (int64_t r = 0; r < n; r++) top_insert(row_score(codes, codes_int8, r, dim, q), r, k, &count, idx, scores);
+        return count;
+    }
+    int parts = threads > 8 ? 8 : threads;
+    int64_t part_idx[8][DENSE_MAX_K], part_count[8] = {0};
+    float part_scores[8][DENSE_MAX_K];
+#pragma omp parallel for schedule(static) num_threads(parts)
+    for (int t = 0; t < parts; t++) {
+        int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
+        for (int64_t r = lo; r < hi; r++)
+            top_insert(row_score(codes, codes_int8, r, dim, q), r, k, &part_count[t], part_idx[t], part_scores[t]);
+    }
+    for (int t = 0; t < parts; t++)
+        for (int64_t i = 0; i < part_count[t]; i++) top_insert(part_scores[t][i], part_idx[t][i], k, &count, idx, scores);
+    return count;
 }
 #else
 int specstore_gemm_features(void) { return 0; }
