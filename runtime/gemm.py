@@ -173,6 +173,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_rmsnorm_bf16.restype = None
         lib.specstore_silu_mul_bf16.argtypes = [p, p, p, i64]
         lib.specstore_silu_mul_bf16.restype = None
+    lib.specstore_sa_longest.argtypes = [p, p, i32, i64, p, i64, p, i64, i64, p]
+    lib.specstore_sa_longest.restype = i64
     lib.dense = bool(lib.specstore_gemm_features() & 8)
     if lib.dense:
         lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
@@ -344,6 +346,31 @@ def dense_top(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     if found < 0:
         return None
     return idx[:found], scores[:found], query
+
+
+def sa_longest(stream: np.ndarray, sa: np.ndarray, first: np.ndarray | None, context, max_len: int,
+               min_len: int) -> tuple[int, int, int] | None:
+    """The longest suffix of ``context`` (``min_len`` .. ``max_len`` tokens) found in a suffix
+    array, in one call (csrc/small_gemm.c: specstore_sa_longest): ``(length, lo, hi)``, length 0
+    where none is; ``stream`` int32 and ``sa`` int32 or int64 (C-contiguous, of one length),
+    ``first``: int64 ranks where each first token starts (``first[t + 1]``), or None. None where
+    the kernel is not loaded or the arrays are of another kind (the caller searches in numpy)."""
+    lib = _lib or library()
+    if lib is None or stream.dtype != np.int32 or sa.dtype not in (np.int32, np.int64) or stream.ndim != 1:
+        return None
+    if sa.shape != stream.shape or not (stream.flags.c_contiguous and sa.flags.c_contiguous):
+        return None
+    if first is not None and (first.dtype != np.int64 or first.ndim != 1 or not first.flags.c_contiguous):
+        return None
+    max_len = min(int(max_len), len(context))
+    if max_len < min_len or max_len <= 0:
+        return 0, 0, 0
+    ctx = np.asarray(context[-max_len:], dtype=np.int64)
+    out = np.zeros(2, dtype=np.int64)
+    length = lib.specstore_sa_longest(stream.ctypes.data, sa.ctypes.data, int(sa.dtype == np.int64), stream.shape[0],
+                                      None if first is None else first.ctypes.data, 0 if first is None else first.shape[0],
+                                      ctx.ctypes.data, max_len, int(min_len), out.ctypes.data)
+    return int(length), int(out[0]), int(out[1])
 
 
 def entropy(logits: torch.Tensor) -> float | None:

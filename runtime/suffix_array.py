@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specstore.runtime import gemm
 from specstore.schemas.tables import PAD_TOKEN
 
 SEPARATOR = PAD_TOKEN  # never a real token id, so no pattern of real tokens can match across it
@@ -150,6 +151,9 @@ class SuffixIndex:
         self.gather_max = _GATHER_MAX
         self.samples = _SAMPLES
         self.match_max = _MATCH_MAX
+        # longest_suffix_match in the kernel's one call where it loads (SPECSTORE_CPU_KERNEL=0:
+        # never); False: the numpy search, the reference the kernel's is tested against
+        self.native = True
         # (lo, hi, depth, token) -> narrowed interval, for intervals wider than ``match_max``
         # (see _narrow); at most _CACHE_MAX entries
         self._cache: dict[tuple[int, int, int, int], tuple[int, int]] = {}
@@ -270,6 +274,10 @@ class SuffixIndex:
         max_len = min(max_len, len(context))
         if max_len < min_len:
             return None
+        if self.native:  # the same search in one kernel call (gemm.sa_longest)
+            found = gemm.sa_longest(self._stream, self._sa, self.first_ranks, context, max_len, min_len)
+            if found is not None:
+                return Match(*found) if found[0] > 0 else None
         best = None
         lo_len, hi_len = min_len, max_len
         while lo_len <= hi_len:

@@ -172,3 +172,50 @@ def test_prefetch_maps_the_pages_in_the_background_and_changes_no_result(tmp_pat
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert [index.find(stream[i : i + 4].tolist()) for i in range(0, 3000, 97)] == before
+
+
+@pytest.mark.parametrize("sa_dtype", [np.int32, np.int64])
+def test_the_kernels_longest_match_equals_the_numpy_search(tmp_path, sa_dtype):
+    """SuffixIndex.longest_suffix_match in one kernel call (gemm.sa_longest) finds the length and
+    interval the numpy search finds: on random streams, with and without the first-token ranks,
+    memory-mapped; on a damaged (shuffled, out-of-range) array it stays inside the array."""
+    from specstore.runtime import gemm
+
+    if not gemm.available():
+        pytest.skip(f"no CPU kernel here: {gemm.unavailable_reason()}")
+    rng = np.random.default_rng(11)
+    docs = [rng.integers(0, 4, size=n) for n in (400, 150, 1, 0, 90)]
+    stream, _ = join_documents(docs)
+    save_suffix_index(tmp_path, stream, build_suffix_array(stream))
+    mapped = SuffixIndex.load(tmp_path)
+    plain = SuffixIndex(stream, build_suffix_array(stream).astype(sa_dtype))
+    calls = []
+    real = gemm.sa_longest
+    gemm_spy = lambda *a: calls.append(1) or real(*a)  # noqa: E731
+    for index in (mapped, plain):
+        assert index._sa.dtype in (np.int32, np.int64)
+        reference = SuffixIndex(index.stream, index.sa, first_ranks=index.first_ranks)
+        reference.native = False
+        for _ in range(150):
+            doc = docs[int(rng.integers(0, 2))]
+            end = int(rng.integers(1, len(doc)))
+            ctx = doc[max(0, end - 20) : end].tolist() + rng.integers(0, 5, size=int(rng.integers(0, 3))).tolist()
+            max_len, min_len = int(rng.integers(1, 17)), int(rng.integers(1, 4))
+            gemm.sa_longest, before = gemm_spy, len(calls)
+            try:
+                got = index.longest_suffix_match(ctx, max_len, min_len)
+            finally:
+                gemm.sa_longest = real
+            want = reference.longest_suffix_match(ctx, max_len, min_len)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert (got.length, got.lo, got.hi) == (want.length, want.lo, want.hi)
+            assert len(calls) == before + (min(max_len, len(ctx)) >= min_len)
+    assert mapped.first_ranks is not None
+    sa = build_suffix_array(stream).astype(sa_dtype)
+    rng.shuffle(sa)
+    sa[::7] = rng.integers(-10**6, 10**6, size=sa[::7].shape)
+    damaged = SuffixIndex(stream, sa, vocab_size=4)
+    for _ in range(100):
+        m = damaged.longest_suffix_match(rng.integers(0, 5, size=12).tolist(), 8, 1)
+        assert m is None or 0 <= m.lo < m.hi <= len(stream)

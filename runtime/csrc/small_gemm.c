@@ -192,6 +192,90 @@ int specstore_linear_bf16(const uint16_t *x, int64_t m, const uint16_t *panel, c
     return 0;
 }
 
+/* The longest suffix of a context found in a suffix array (runtime/suffix_array.py:
+ * SuffixIndex.longest_suffix_match, which calls this where the library has it): binary search
+ * over the lengths min_len .. max_len (occurrence is monotone in length), each length's interval
+ * narrowed depth by depth by binary search over the ranks, the first depth from ``first`` (ranks
+ * where each first token starts, first[t + 1] .. first[t + 2]; NULL: none). One call instead of
+ * a few dozen numpy gathers, each on cold caches right after a forward. ``ctx``: the context's
+ * last ``len`` tokens. A suffix-array entry outside the stream is stepped over (the nearest intact
+ * one decides) and every read is clipped into the stream: a damaged array costs matches, never a
+ * read outside. Returns the length found (0: none) and its ranks [out[0],
+ * out[1]). */
+static inline int64_t sa_entry(const void *sa, int sa64, int64_t r) {
+    return sa64 ? ((const int64_t *)sa)[r] : (int64_t)((const int32_t *)sa)[r];
+}
+
+static int64_t sa_bound(const int32_t *stream, const void *sa, int sa64, int64_t n, int64_t lo, int64_t hi, int64_t d,
+                        int32_t t, int strict) { /* first rank in [lo, hi) whose token at d is >= t (strict: > t) */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2, at = mid, start;
+        /* a damaged entry (outside the stream) has no tokens: the nearest intact one decides */
+        while (at < hi && (uint64_t)(start = sa_entry(sa, sa64, at)) >= (uint64_t)n) at++;
+        if (at == hi) { /* none at or after mid: the last intact one before it, if any */
+            for (at = mid - 1; at >= lo && (uint64_t)(start = sa_entry(sa, sa64, at)) >= (uint64_t)n; at--) {}
+            if (at < lo) return lo;
+            int32_t v = stream[start + d >= n ? n - 1 : start + d];
+            if (strict ? v <= t : v < t) return hi; /* every rank after at is damaged */
+            hi = at;
+            continue;
+        }
+        int32_t v = stream[start + d >= n ? n - 1 : start + d];
+        if (strict ? v <= t : v < t)
+            lo = at + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void sa_find(const int32_t *stream, const void *sa, int sa64, int64_t n, const int64_t *first, int64_t nfirst,
+                    const int64_t *pattern, int64_t len, int64_t *lo_out, int64_t *hi_out) {
+    int64_t lo = 0, hi = n, depth = 0;
+    if (first && len > 0) {
+        int64_t at = pattern[0] + 1;
+        if (at >= 0 && at < nfirst - 1) {
+            lo = first[at] < 0 ? 0 : (first[at] > n ? n : first[at]);
+            hi = first[at + 1] < lo ? lo : (first[at + 1] > n ? n : first[at + 1]);
+        } else {
+            lo = hi = 0;
+        }
+        depth = 1;
+    }
+    for (; depth < len && lo < hi; depth++) {
+        int32_t t = (int32_t)pattern[depth];
+        if (pattern[depth] != (int64_t)t) { /* no int32 token equals it */
+            hi = lo;
+            break;
+        }
+        int64_t l = sa_bound(stream, sa, sa64, n, lo, hi, depth, t, 0);
+        hi = sa_bound(stream, sa, sa64, n, l, hi, depth, t, 1);
+        lo = l;
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+int64_t specstore_sa_longest(const int32_t *stream, const void *sa, int sa64, int64_t n, const int64_t *first,
+                             int64_t nfirst, const int64_t *ctx, int64_t len, int64_t min_len, int64_t *out) {
+    int64_t best = 0, lo_len = min_len < 1 ? 1 : min_len, hi_len = len;
+    out[0] = out[1] = 0;
+    if (n <= 0) return 0;
+    while (lo_len <= hi_len) {
+        int64_t mid = (lo_len + hi_len) / 2, lo, hi;
+        sa_find(stream, sa, sa64, n, first, nfirst, ctx + len - mid, mid, &lo, &hi);
+        if (hi > lo) {
+            best = mid;
+            out[0] = lo;
+            out[1] = hi;
+            lo_len = mid + 1;
+        } else {
+            hi_len = mid - 1;
+        }
+    }
+    return best;
+}
+
 /* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
  * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
  *
