@@ -175,6 +175,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_silu_mul_bf16.restype = None
     lib.specstore_sa_longest.argtypes = [p, p, i32, i64, p, i64, p, i64, i64, p]
     lib.specstore_sa_longest.restype = i64
+    lib.specstore_context_matches.argtypes = [p, i64, i64, i64, i64, p, p, p]
+    lib.specstore_context_matches.restype = i64
     lib.dense = bool(lib.specstore_gemm_features() & 8)
     if lib.dense:
         lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
@@ -371,6 +373,22 @@ def sa_longest(stream: np.ndarray, sa: np.ndarray, first: np.ndarray | None, con
                                       None if first is None else first.ctypes.data, 0 if first is None else first.shape[0],
                                       ctx.ctypes.data, max_len, int(min_len), out.ctypes.data)
     return int(length), int(out[0]), int(out[1])
+
+
+def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int, cap: int = 0):
+    """Prompt lookup's search in one call (csrc/small_gemm.c: specstore_context_matches):
+    ``(n, starts, back)`` for int64 C-contiguous ``tokens`` [T]: the longest n-gram length found
+    (0: none), the offsets after its occurrences (ascending, int64) and how far back each one
+    matches the context's end, up to ``cap`` (n where ``cap`` <= n); None where the kernel is not
+    loaded or ``tokens`` is of another kind (retrieval.py searches in numpy)."""
+    lib = _lib or library()
+    if lib is None or tokens.dtype != np.int64 or tokens.ndim != 1 or not tokens.flags.c_contiguous or tokens.size < 2:
+        return None
+    size = tokens.shape[0]
+    starts, back, n = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64), ctypes.c_int64(0)
+    count = lib.specstore_context_matches(tokens.ctypes.data, size, int(max_ngram), int(min_ngram), int(cap),
+                                          ctypes.byref(n), starts.ctypes.data, back.ctypes.data)
+    return int(n.value), starts[:count], back[:count]
 
 
 def entropy(logits: torch.Tensor) -> float | None:

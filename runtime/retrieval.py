@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specstore.runtime import gemm
 from specstore.runtime.dense import DenseIndex, Neighbours
 from specstore.runtime.normaliser import Normaliser
 from specstore.runtime.suffix_array import SEPARATOR
@@ -52,7 +53,18 @@ class Continuation:
 def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> tuple[int, np.ndarray]:
     """``(n, starts)``: the longest ``n`` in ``[min_ngram, max_ngram]`` whose last ``n`` tokens
     occur earlier in ``tokens`` with at least one token after them, and the offsets just after
-    each such occurrence, ascending. ``(0, [])`` when none does. ``tokens``: int [T].
+    each such occurrence, ascending. ``(0, [])`` when none does. ``tokens``: int [T]. In one
+    kernel call where it is loaded (gemm.context_matches; int64 tokens), else
+    ``numpy_context_matches``."""
+    tokens = np.asarray(tokens)
+    found = gemm.context_matches(tokens, max_ngram, max(int(min_ngram), 1)) if tokens.dtype == np.int64 else None
+    if found is not None:
+        return found[0], found[1]
+    return numpy_context_matches(tokens, max_ngram, min_ngram)
+
+
+def numpy_context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int = 1) -> tuple[int, np.ndarray]:
+    """``context_matches`` in numpy (the kernel's reference).
 
     One comparison over the context finds where the last token occurs earlier (each such place
     ends a candidate occurrence and has a token after it); only those are extended backwards,
@@ -99,7 +111,14 @@ def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: 
     Each continuation's ``match`` is the n-gram's length; with ``match_cap`` above it, how far
     back its occurrence matches the context's end, up to ``match_cap`` tokens: a copy of a long
     span of the context shows as a long match, where the n-gram stops at ``max_ngram``."""
-    n, starts = context_matches(tokens, max_ngram, min_ngram)
+    tokens = np.asarray(tokens)
+    found = gemm.context_matches(tokens, max_ngram, max(int(min_ngram), 1), match_cap) if tokens.dtype == np.int64 else None
+    if found is not None:  # the kernel measured every occurrence's match too
+        n, starts, back = found
+        matched = dict(zip(starts.tolist(), back.tolist(), strict=True))
+    else:
+        n, starts = numpy_context_matches(tokens, max_ngram, min_ngram)
+        matched = None
     size = len(tokens)
     if full_first:
         order = sorted(starts.tolist(), key=lambda s: (-min(size - s, length), -s))
@@ -111,7 +130,11 @@ def context_continuations(tokens: np.ndarray, length: int, num: int, max_ngram: 
         if tuple(draft) in seen:
             continue
         seen.add(tuple(draft))
-        out.append(Continuation(start, draft, matched_back(tokens, start, match_cap) if match_cap > n else n))
+        if matched is not None:
+            match = matched[start]
+        else:
+            match = matched_back(tokens, start, match_cap) if match_cap > n else n
+        out.append(Continuation(start, draft, match))
         if len(out) >= num:
             break
     return out

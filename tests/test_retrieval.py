@@ -64,7 +64,14 @@ def _context_matches_by_windows(tokens: np.ndarray, max_ngram: int, min_ngram: i
     return 0, np.zeros(0, dtype=np.int64)
 
 
-def test_context_matches_equals_the_window_scan_on_random_contexts():
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_context_matches_equals_the_window_scan_on_random_contexts(path, monkeypatch):
+    from specstore.runtime import gemm
+
+    if path == "numpy":
+        monkeypatch.setattr(gemm, "context_matches", lambda *a, **k: None)
+    elif not gemm.available():
+        pytest.skip(f"no CPU kernel here: {gemm.unavailable_reason()}")
     rng = np.random.default_rng(7)
     for trial in range(3000):
         size = int(rng.integers(1, 60))
@@ -90,6 +97,26 @@ def test_context_continuations_full_length_most_recent_first_and_distinct():
     run = np.array([9, 7, 7, 7, 7, 7, 7, 7])
     assert context_continuations(run, length=4, num=1, max_ngram=2)[0].tokens == [7, 7, 7, 7]
     assert context_continuations(np.array([1, 2, 3]), 4, 2, 3) == []
+
+
+def test_context_continuations_are_the_same_from_the_kernel_and_from_numpy(monkeypatch):
+    """Occurrences, order, drafts and each one's match back (up to match_cap) agree between the
+    kernel's one call (gemm.context_matches) and the numpy search with matched_back."""
+    from specstore.runtime import gemm
+
+    if not gemm.available():
+        pytest.skip(f"no CPU kernel here: {gemm.unavailable_reason()}")
+    rng = np.random.default_rng(8)
+    real = gemm.context_matches
+    for trial in range(1500):
+        tokens = rng.integers(0, int(rng.choice([2, 3, 6])), int(rng.integers(2, 80)))
+        args = (int(rng.integers(1, 12)), int(rng.integers(1, 4)), int(rng.integers(1, 5)), int(rng.integers(1, 4)))
+        cap = int(rng.choice([0, 2, 16]))
+        monkeypatch.setattr(gemm, "context_matches", real)
+        got = context_continuations(tokens, *args, match_cap=cap)
+        monkeypatch.setattr(gemm, "context_matches", lambda *a, **k: None)
+        want = context_continuations(tokens, *args, match_cap=cap)
+        assert [(c.offset, c.tokens, c.match) for c in got] == [(c.offset, c.tokens, c.match) for c in want], trial
 
 
 # --- suffix array --------------------------------------------------------------------------

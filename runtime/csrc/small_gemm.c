@@ -276,6 +276,44 @@ int64_t specstore_sa_longest(const int32_t *stream, const void *sa, int sa64, in
     return best;
 }
 
+/* Prompt lookup's search (runtime/retrieval.py: context_matches, context_continuations): the
+ * longest n in [min_ngram, max_ngram] (at most size - 1) whose last n tokens of ``tokens`` occur
+ * earlier with a token after them; ``starts``: the offsets just after each such occurrence,
+ * ascending (room for size - 1); ``back``: for each, how many tokens before it equal the
+ * context's last ones, up to ``cap`` (n itself where cap <= n). Returns how many starts (0: no n;
+ * then *n_out is 0). One pass over the context in one call, instead of numpy's few per n-gram
+ * length and per candidate. */
+int64_t specstore_context_matches(const int64_t *tokens, int64_t size, int64_t max_ngram, int64_t min_ngram,
+                                  int64_t cap, int64_t *n_out, int64_t *starts, int64_t *back) {
+    *n_out = 0;
+    if (min_ngram < 1) min_ngram = 1;
+    int64_t longest = max_ngram < size - 1 ? max_ngram : size - 1, best = 0, count = 0;
+    if (longest < min_ngram) return 0;
+    const int64_t last = tokens[size - 1];
+    for (int64_t e = 0; e < size - 1; e++) {
+        if (tokens[e] != last) continue;
+        int64_t m = 1;
+        while (m < longest && e - m >= 0 && tokens[e - m] == tokens[size - 1 - m]) m++;
+        if (m > best) {
+            best = m;
+            count = 0;
+        }
+        if (m == best) starts[count++] = e + 1;
+    }
+    if (best < min_ngram) return 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (cap <= best) {
+            back[i] = best;
+            continue;
+        }
+        int64_t start = starts[i], k = cap < start ? cap : start, j = 0;
+        while (j < k && tokens[start - 1 - j] == tokens[size - 1 - j]) j++;
+        back[i] = j;
+    }
+    *n_out = best;
+    return count;
+}
+
 /* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
  * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
  *
