@@ -174,6 +174,9 @@ class ApproximateBlock:
         return ids[0]
 
 
+FEW_DRAFTS = 16  # StreamContinuations.drafts: up to this many positions in Python lists, more in one gather
+
+
 class StreamContinuations:
     """Continuations read from a version's token stream (plain or sharded suffix index):
     ``draft(position, next_token, length)`` is the stream after ``position + 1`` (the pending
@@ -198,6 +201,27 @@ class StreamContinuations:
         bad = np.flatnonzero((window[1:] < 0) | (window[1:] >= self.vocab_size))
         return window[1 : 1 + (int(bad[0]) if bad.size else window.size - 1)].tolist()
 
+    def _few_drafts(self, positions: list[int], next_token: int, length: int) -> list[list[int]]:
+        """``drafts`` of a few positions in Python lists over a plain view of the one stream:
+        slices of a few dozen tokens, where each numpy call after a forward costs more (the
+        same drafts as the gather below)."""
+        view = self.__dict__.get("_view")
+        if view is None:
+            view = self._view = np.asarray(self.streams[0])  # an ndarray over the map: no memmap per slice
+        n, vocab, out = view.shape[0], self.vocab_size, []
+        for p in positions:
+            window = view[p + 1 : p + 2 + length].tolist() if 0 <= p < n else []
+            if not window or window[0] != next_token:
+                out.append([])
+                continue
+            draft = window[1:]
+            for i, t in enumerate(draft):
+                if t < 0 or t >= vocab:
+                    draft = draft[:i]
+                    break
+            out.append(draft)
+        return out
+
     def drafts(self, positions, next_token: int, length: int) -> list[list[int]]:
         """``draft`` for each of ``positions`` (a search's neighbours), in order: one gather of
         all their windows from an unsharded stream (one ``draft`` call each costs ~15 us of
@@ -205,6 +229,8 @@ class StreamContinuations:
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if len(self.streams) != 1 or length <= 0 or positions.size == 0:
             return [self.draft(int(p), next_token, length) for p in positions.tolist()]
+        if positions.size <= FEW_DRAFTS:
+            return self._few_drafts(positions.tolist(), next_token, length)
         stream = self.streams[0]
         n = len(stream)
         at = positions[:, None] + 1 + np.arange(length + 1, dtype=np.int64)  # window: stream[p + 1 : p + 2 + length]
