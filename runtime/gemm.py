@@ -169,6 +169,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_entropy_bf16.restype = ctypes.c_double
     lib.elementwise = bool(lib.specstore_gemm_features() & 4)
     if lib.elementwise:
+        lib.specstore_argmax_bf16.argtypes = [p, i64]
+        lib.specstore_argmax_bf16.restype = i64
         lib.specstore_rmsnorm_bf16.argtypes = [p, p, p, i64, i64, ctypes.c_float]
         lib.specstore_rmsnorm_bf16.restype = None
         lib.specstore_silu_mul_bf16.argtypes = [p, p, p, i64]
@@ -389,6 +391,17 @@ def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int, cap: int
     count = lib.specstore_context_matches(tokens.ctypes.data, size, int(max_ngram), int(min_ngram), int(cap),
                                           ctypes.byref(n), starts.ctypes.data, back.ctypes.data)
     return int(n.value), starts[:count], back[:count]
+
+
+def argmax(logits: torch.Tensor) -> int | None:
+    """The index of the first largest of 1-D contiguous bf16 CPU logits in one kernel call
+    (specstore_argmax_bf16: torch's argmax, first maximum, without a float32 copy); None where a
+    logit is NaN (torch takes NaN as the largest) or the kernel does not take them."""
+    if (logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 1
+            or not logits.is_contiguous() or not has_elementwise()):
+        return None
+    found = _lib.specstore_argmax_bf16(logits.data_ptr(), logits.shape[0])
+    return int(found) if found >= 0 else None
 
 
 def entropy(logits: torch.Tensor) -> float | None:

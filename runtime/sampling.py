@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specstore.runtime import gemm
 from specstore.runtime.tree import DraftTree
 
 
@@ -105,7 +106,9 @@ def accept(logits: torch.Tensor, tree: DraftTree, sampling: Sampling) -> tuple[l
         # a tree's other rows are never read, and each row's conversion and argmax cost as much
         # as a whole row's share of one batched argmax
         while True:
-            choice = int(greedy_choice(logits[row]))
+            choice = gemm.argmax(logits[row])  # bf16 on the CPU: one kernel call
+            if choice is None:
+                choice = int(greedy_choice(logits[row]))
             nxt = next((c for c in children[row] if tokens[c] == choice), None)
             if nxt is None:
                 return accepted, choice

@@ -55,6 +55,17 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     @classmethod
+    def _built(cls, tokens: np.ndarray, parents: np.ndarray, node_data: dict[str, np.ndarray], paths: list[list[int]],
+               meta: dict) -> DraftTree:
+        """A tree from parts that are valid by construction (``from_paths``, ``subset``: int64
+        [n] tokens and parents with parents before children, node_data arrays of n rows),
+        without ``__post_init__``'s checks: a few numpy calls that each cost microseconds on
+        the cold caches after a forward, every step."""
+        tree = object.__new__(cls)
+        tree.tokens, tree.parents, tree.node_data, tree.paths, tree.meta = tokens, parents, node_data, paths, meta
+        return tree
+
+    @classmethod
     def empty(cls) -> DraftTree:
         return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
@@ -87,7 +98,7 @@ class DraftTree:
                 nodes.append(node)
                 parent = node
             path_nodes.append(nodes)
-        return cls(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64), paths=path_nodes)
+        return cls._built(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64), {}, path_nodes, {})
 
     def depths(self) -> np.ndarray:
         """Depth of each node: 1 for children of the root."""
@@ -117,11 +128,12 @@ class DraftTree:
             raise ValueError("a subset must keep the parent of every node it keeps")
         new_index = np.cumsum(keep) - 1
         parents = np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)])
-        return DraftTree(
+        kept, index = keep.tolist(), new_index.tolist()
+        return DraftTree._built(
             self.tokens[keep],
-            parents,
+            parents.astype(np.int64, copy=False),
             {name: values[keep] for name, values in self.node_data.items()},
-            [[int(new_index[i]) for i in path if keep[i]] for path in self.paths],
+            [[index[i] for i in path if kept[i]] for path in self.paths],
             dict(self.meta),
         )
 

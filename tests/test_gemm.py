@@ -387,3 +387,26 @@ def test_dense_top_refuses_what_it_does_not_take_and_drops_nan_scores():
     assert idx.size == 0 and scores.size == 0
     idx, scores, _ = gemm.dense_top(torch.zeros(8), torch.zeros(8, 4), torch.zeros(4), 1e-6, scales, rows, 5)
     assert idx.tolist() == [0, 1, 2] and scores.tolist() == [0.0, 0.0, 0.0]  # a zero query: all tie, k > n
+
+
+@pytest.mark.skipif(not gemm.has_elementwise(), reason="the kernel has no bf16 elementwise functions here")
+def test_argmax_is_torchs_first_maximum_and_leaves_nan_to_torch():
+    """gemm.argmax (greedy acceptance's argmax of a bf16 row in one call) equals torch's argmax:
+    the first of tied maxima, at any length (tails past 16 lanes), -inf entries; None for NaN
+    (torch takes NaN as the largest) and for what it does not take."""
+    rng = np.random.default_rng(2)
+    for n in (1, 5, 16, 17, 49152, 49159):
+        for _ in range(20):
+            x = torch.from_numpy(rng.normal(size=n).astype(np.float32)).bfloat16()
+            if n > 3:  # ties: bf16 rounding makes some; force the maximum twice, far apart
+                top = x.max()
+                x[int(rng.integers(0, n))] = top
+                x[int(rng.integers(0, n))] = top
+                x[int(rng.integers(0, n))] = float("-inf")
+            assert gemm.argmax(x) == int(x.argmax())
+    assert gemm.argmax(torch.full((40,), float("-inf")).bfloat16()) == 0
+    x = torch.zeros(40).bfloat16()
+    x[7] = float("nan")
+    assert gemm.argmax(x) is None and gemm.argmax(torch.zeros(33).bfloat16()[-1:0]) is None
+    assert gemm.argmax(torch.zeros(2, 40).bfloat16()[:, 0]) is None  # not contiguous
+    assert gemm.argmax(torch.zeros(40)) is None  # float32: torch's own

@@ -772,6 +772,37 @@ static inline void store16(uint16_t *p, __m256i v, int64_t n) {
     memcpy(p, tmp, (size_t)n * sizeof(uint16_t));
 }
 
+/* The index of the first largest of n bf16 logits (greedy acceptance, runtime/sampling.py:
+ * greedy_choice, every row a verification walks): -1 where one is NaN or n is 0 (torch's argmax,
+ * which the caller then runs, takes NaN as the largest). One pass for the maximum, one for its
+ * first place, in float32 (exact for bf16). */
+int64_t specstore_argmax_bf16(const uint16_t *x, int64_t n) {
+    if (n <= 0) return -1;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = widen_bf16(_mm256_loadu_si256((const __m256i *)(x + i)));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, v);
+    }
+    float best = _mm512_reduce_max_ps(top);
+    for (; i < n; i++) {
+        float v = bf16_to_f32(x[i]);
+        if (v != v) return -1;
+        best = v > best ? v : best;
+    }
+    if (nan) return -1;
+    const __m512 want = _mm512_set1_ps(best);
+    for (i = 0; i + 16 <= n; i += 16) {
+        __mmask16 hit = _mm512_cmp_ps_mask(widen_bf16(_mm256_loadu_si256((const __m256i *)(x + i))), want, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < n; i++)
+        if (bf16_to_f32(x[i]) == best) return i;
+    return -1; /* every logit -inf below 16 lanes: not reached (then best is -inf and equal) */
+}
+
 /* RMS norm of each row of x [rows, dim]: h x / sqrt(mean(h^2) + eps) rounded to bf16, times the
  * weight, rounded again (transformers' LlamaRMSNorm in bf16); the mean's sum in 16 lanes (one
  * fused multiply-add per value, in order), reduced at the end */

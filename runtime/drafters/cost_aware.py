@@ -163,17 +163,19 @@ class Calibrator:
         """Count every node whose parent was accepted (or is the root) as one trial."""
         if len(tree) == 0:
             return
-        buckets = _buckets(tree)
-        depths = np.minimum(tree.depths(), MAX_DEPTH_BIN)
+        buckets = _buckets(tree).tolist()  # Python ints and lists: a few dozen nodes (probabilities' doc)
+        depths = tree.depth_list()
         accepted = set(result.accepted_nodes)
+        tried, hits, tried_b, hits_b = self.tried, self.accepted, self.tried_b, self.accepted_b
         for i, parent in enumerate(tree.parents.tolist()):
             if parent >= 0 and parent not in accepted:
                 continue
-            b, d, hit = int(buckets[i]), int(depths[i]), float(i in accepted)
-            self.tried[(b, d)] += 1.0
-            self.accepted[(b, d)] += hit
-            self.tried_b[b] += 1.0
-            self.accepted_b[b] += hit
+            b, hit = buckets[i], float(i in accepted)
+            cell = (b, min(depths[i], MAX_DEPTH_BIN))
+            tried[cell] += 1.0
+            hits[cell] += hit
+            tried_b[b] += 1.0
+            hits_b[b] += hit
 
     def rate(self, bucket: int, depth: int) -> float | None:
         """The observed acceptance rate of one cell (None before any trial)."""
