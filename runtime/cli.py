@@ -199,7 +199,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Replay greedy ar references from a bench result: under greedy verification the accepted length "
         "follows from the reference alone, so MAT for any drafter setting is computed without decoding. The predicted "
         "speedup over ar adds the measured verification cost of each replayed tree (runtime/cost.py, for --dtype on this "
-        "machine) and the replayed drafting time; --sweep rows are ranked by it.",
+        "machine) and the replayed drafting time; --sweep rows are ranked by it. Each side is priced with the cost "
+        "model its method ended the bench with (corrected online from its own steps; the table alone where the "
+        "result holds no such copy for the method or for ar, or with --refresh-cost).",
     )
     _add_store(p)
     p.add_argument("--datastore", default=None, metavar="REF")

@@ -38,6 +38,7 @@ import torch
 from specstore.runtime.device import cpu_model, dtype_name
 from specstore.runtime.linear import backend as linear_backend
 from specstore.runtime.models import cache_dir
+from specstore.runtime.sampling import Sampling, pick
 from specstore.runtime.tree import DraftTree
 
 # dense where drafters' trees live: a CPU's product kernel steps up in cost where its rows fill
@@ -61,8 +62,9 @@ VERSION = 3  # of the cache file's layout (2: whole verification steps, not forw
 # curve through them in place of a hinge; 10: the cache grows in place, kv_cache.py; 11: bf16 products
 # through the kernel's AVX-512 BF16 dot products, gemm.py, and SDPA over longer caches, attention.py;
 # 12: the kernel's attention skips zero masks, finds maxima in vectors and sums values by bf16 dot
-# products, csrc/small_gemm.c; bf16 RMS norms and MLP middles in the kernel, fused.py)
-VERIFIER_REVISION = 12
+# products, csrc/small_gemm.c; bf16 RMS norms and MLP middles in the kernel, fused.py; 13: greedy
+# acceptance's bf16 argmax in the kernel, sampling.py, and the timing rule's argmax through it)
+VERIFIER_REVISION = 13
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians
@@ -437,7 +439,7 @@ def _accept_a_path(rng: np.random.Generator):
 
     def rule(logits: torch.Tensor, tree: DraftTree, sampling) -> tuple[list[int], int, list[bool]]:
         path = tree.path_to(int(rng.integers(0, len(tree)))) if len(tree) else []
-        return path, int(torch.argmax(logits[len(path)])), []
+        return path, pick(logits[len(path)], sampling or Sampling()), []  # the argmax greedy acceptance runs
 
     return rule
 

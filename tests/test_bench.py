@@ -49,7 +49,9 @@ def test_bench_result_contract(bench_setup, tmp_path):
     assert list(result.methods) == ["ar", "pld", "pld+cost", "rest", "rest+cost", "dresd", "dresd+cost", "respec",
                                     "respec+cost", "hf"]
     assert CostModel.from_json(result.cost_model).seconds == COST.seconds
-    assert sorted(result.cost_models) == sorted(AWARE)  # each cost-aware method's own copy
+    # each method's own copy: the cost-aware ones prune with theirs, the others' (ar included)
+    # only follow their steps, for the simulator's prices
+    assert sorted(result.cost_models) == sorted(m for m in result.methods if m != "hf")
     assert all(CostModel.from_json(c).seconds == COST.seconds for c in result.cost_models.values())
     for name, m in result.methods.items():
         lo, hi = m.speedup_ci
@@ -113,8 +115,8 @@ def test_bench_command_end_to_end(bench_setup, tmp_path, capsys, monkeypatch):
     from specstore.runtime.bench.simulate import method_cost_model
 
     base = CostModel.from_json(result.cost_model)
-    assert sorted(result.cost_models) == ["pld", "respec", "rest"] and base.observed == 0
-    for m in ("pld", "rest", "respec"):
+    assert sorted(result.cost_models) == ["ar", "pld", "respec", "rest"] and base.observed == 0
+    for m in ("ar", "pld", "rest", "respec"):
         steps = sum(r.steps - 1 for r in result.prompts if r.method == m)  # every step after the prefill
         assert CostModel.from_json(result.cost_models[m]).observed == steps > 0, m
         assert method_cost_model(result, m, base).observed == steps, m

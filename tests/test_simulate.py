@@ -145,3 +145,26 @@ def test_the_replay_streams_the_cold_buffer_every_step_and_changes_nothing_else(
     warm = sim.replay_one(make(), ref, 24, None)
     assert Counting.calls == len(cold.trees) > 0  # once a step
     assert cold.trees == warm.trees and cold.stats.accepted_per_step == warm.stats.accepted_per_step
+
+
+def test_each_side_of_a_prediction_is_priced_with_its_own_corrected_copy():
+    """simulate prices a method's replayed steps with the copy of the cost model that method's
+    bench steps corrected, and ar's with ar's (both stored in the result); the table for both
+    where either copy is missing (an older result) or with --refresh-cost, never a mix."""
+    from types import SimpleNamespace
+
+    from specstore.runtime.bench.simulate import pricing
+    from specstore.runtime.cost import CostModel
+
+    table = CostModel.flat(0.02)
+    ar_copy, rest_copy, rest_aware = CostModel.flat(0.015), CostModel.flat(0.016), CostModel.flat(0.017)
+    bench = SimpleNamespace(cost_models={"ar": ar_copy.to_json(), "rest": rest_copy.to_json(),
+                                         "rest+cost": rest_aware.to_json()})
+    price, ar_price = pricing(bench, "rest", table, aware=True)
+    assert price.seconds == rest_aware.seconds and ar_price.seconds == ar_copy.seconds  # the cost-aware run's copy
+    price, _ = pricing(bench, "rest", table, aware=False)
+    assert price.seconds == rest_copy.seconds  # the plain run's
+    assert pricing(bench, "rest", table, aware=True, refresh=True) == (table, table)
+    assert pricing(bench, "dresd", table, aware=True) == (table, table)  # no copy of its own
+    older = SimpleNamespace(cost_models={"rest": rest_copy.to_json()})  # before ar kept one
+    assert pricing(older, "rest", table, aware=True) == (table, table)

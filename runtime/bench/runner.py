@@ -68,11 +68,15 @@ def parse_value(raw: str):
 
 
 class TimedDrafter:
-    """Wraps a drafter to record each ``propose`` latency (the retrieval latency per step)."""
+    """Wraps a drafter to record each ``propose`` latency (the retrieval latency per step).
+    ``watch``: a cost.CostModel that this method's verification steps correct online (for a
+    method that does not prune by one itself: the simulator prices its steps with it)."""
 
-    def __init__(self, inner, name: str | None = None):
+    def __init__(self, inner, name: str | None = None, watch=None):
         self.inner, self.name, self.lossless = inner, name or inner.name, getattr(inner, "lossless", True)
         self.latencies_ms: list[float] = []
+        self.watch = watch
+        self._context = 0  # cached tokens when the step's tree was proposed (what its forward attends)
 
     @property
     def acceptance(self):
@@ -84,12 +88,15 @@ class TimedDrafter:
         self.inner.reset(prompt)
 
     def propose(self, state):
+        self._context = len(state.tokens)
         start = time.perf_counter()
         tree = self.inner.propose(state)
         self.latencies_ms.append((time.perf_counter() - start) * 1000)
         return tree
 
     def observe(self, state, tree, result) -> None:
+        if self.watch is not None and state.verify_s is not None:
+            self.watch.observe(len(tree), self._context, state.verify_s)
         self.inner.observe(state, tree, result)
 
 
@@ -184,8 +191,9 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     with and without, side by side); ``cost``: a ready cost.CostModel (else the cached one of the
     loaded model, measured when missing or ``refresh_cost``; ``cost_online``: whether decoding
     corrects it, cost.CostModel.observe). Each cost-aware method gets its own copy, corrected from
-    its own steps only; the result stores the model as loaded (``cost_model``) and each method's
-    copy as it ended (``cost_models``)."""
+    its own steps only, and so does every other method (ar included: a copy nothing prunes with,
+    which the simulator prices with); the result stores the model as loaded (``cost_model``) and
+    each method's copy as it ended (``cost_models``)."""
     options = options or {}
     methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs, first: it is the reference
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
@@ -215,7 +223,14 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     # size cost more after some drafters than after others), and priced respec's trees by a slope
     # 1.56x the table's in a code-ID run where respec alone learnt 0.99x (BENCHMARKS.md)
     costs = {label: copy.deepcopy(cost) for label, (_, aware) in labels.items() if aware}
-    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=costs.get(label), **options.get(m, {})), label)
+    # every other method (ar included) corrects a copy too, from its own steps, that nothing
+    # prunes with: the simulator prices each side of a predicted speedup with the copy of the
+    # method that ran it (the table alone, measured before the run, priced ar's steps 12% above
+    # what they took in a code-ID run; BENCHMARKS.md, seventeenth session)
+    watched = {label: copy.deepcopy(cost) for label, (m, aware) in labels.items()
+               if not aware and m not in HF_METHODS} if cost is not None else {}
+    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=costs.get(label), **options.get(m, {})), label,
+                                    watch=watched.get(label))
                 for label, (m, aware) in labels.items() if m not in HF_METHODS}
     methods = list(labels)
     lossless = {m: (True if m in HF_METHODS else bool(getattr(drafters[m], "lossless", True))) for m in methods}
@@ -284,7 +299,8 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
         methods=results,
         prompts=records,
         cost_model=cost.to_json() if costs else None,
-        cost_models={label: c.to_json() for label, c in costs.items()},
+        cost_models={label: (costs.get(label) or watched[label]).to_json() for label in labels
+                     if label in costs or label in watched},
     )
 
 

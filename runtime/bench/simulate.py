@@ -142,31 +142,33 @@ def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None
     return Replay(stats, verifier.trees, len(ref.prompt_ids))
 
 
-def predicted_seconds(replays: list[Replay], cost) -> tuple[float, float]:
+def predicted_seconds(replays: list[Replay], cost, ar_cost=None) -> tuple[float, float]:
     """(seconds the replayed method would take, seconds ar would take) on the same references:
     each verification priced by ``cost`` at its tree size and context, plus the replayed
-    drafting time; ar one 0-node forward per token after the first; both sides each request's
-    prefill (``cost.prefill_seconds`` of its prompt; left out where the cost model has no
-    prefill measurement), as the bench's wall times hold it."""
+    drafting time; ar one 0-node forward per token after the first, priced by ``ar_cost``
+    (None: ``cost``); both sides each request's prefill (``prefill_seconds`` of its prompt, each
+    side's model; left out where a cost model has no prefill measurement), as the bench's wall
+    times hold it."""
+    ar_cost = cost if ar_cost is None else ar_cost
     method = ar = 0.0
     for r in replays:
         if not r.trees:
             continue
-        prefill = cost.prefill_seconds(r.prompt_len)
-        if prefill is not None:
-            method, ar = method + prefill, ar + prefill
+        prefill, ar_prefill = cost.prefill_seconds(r.prompt_len), ar_cost.prefill_seconds(r.prompt_len)
+        if prefill is not None and ar_prefill is not None:
+            method, ar = method + prefill, ar + ar_prefill
         nodes = np.array([n for n, _ in r.trees])
         ctx = np.array([c for _, c in r.trees])
         method += float(sum(cost.seconds_for(int(n), int(c)) for n, c in zip(nodes, ctx, strict=True)))
         method += r.stats.drafting_s
         ar_ctx = r.prompt_len + np.arange(r.stats.num_tokens - 1)  # ar: one forward per later token
-        ar += float(sum(cost.seconds_for(0, int(c)) for c in ar_ctx))
+        ar += float(sum(ar_cost.seconds_for(0, int(c)) for c in ar_ctx))
     return method, ar
 
 
-def predicted_speedup(replays: list[Replay], cost) -> float | None:
+def predicted_speedup(replays: list[Replay], cost, ar_cost=None) -> float | None:
     """Predicted speedup over ar (``predicted_seconds``); None when nothing was decoded."""
-    method, ar = predicted_seconds(replays, cost)
+    method, ar = predicted_seconds(replays, cost, ar_cost)
     return ar / method if method > 0 else None
 
 
@@ -231,12 +233,14 @@ def bench_cost_model(bench: BenchResult, args):
     return load_cost_model(timed.model, timed.info, refresh=args.refresh_cost, quiet=args.json)
 
 
-def method_cost_model(bench: BenchResult, method: str, fallback):
-    """The cost model ``method``'s drafter ended the bench with (``bench.cost_models``, under its
-    label or its ``+cost`` label: each method corrects its own copy online), else ``fallback``."""
+def method_cost_model(bench: BenchResult, method: str, fallback, aware: bool = True):
+    """The cost model ``method`` ended the bench with (``bench.cost_models``: each method corrects
+    its own copy online), else ``fallback``. ``aware``: the cost-aware variant's copy first (its
+    ``+cost`` label under ``--cost-aware both``), else the plain one's first."""
     from specstore.runtime.cost import CostModel
 
-    for label in (method, method + COST_SUFFIX):
+    labels = (method + COST_SUFFIX, method) if aware else (method, method + COST_SUFFIX)
+    for label in labels:
         data = bench.cost_models.get(label)
         if data is not None:
             try:
@@ -244,6 +248,20 @@ def method_cost_model(bench: BenchResult, method: str, fallback):
             except (ValueError, KeyError, TypeError):
                 break
     return fallback
+
+
+def pricing(bench: BenchResult, method: str, table, aware: bool, refresh: bool = False):
+    """(the cost model that prices ``method``'s replayed steps, the one that prices ar's): the
+    copies each ended the bench with, corrected online from its own steps (the machine as it
+    ran: a table measured before the run priced ar's steps 12% above what they took in a
+    code-ID run, BENCHMARKS.md, seventeenth session); ``table`` for both where the bench
+    stored no copy for either of them (an older result) or with ``--refresh-cost``."""
+    if refresh:
+        return table, table
+    price, ar_price = method_cost_model(bench, method, None, aware), method_cost_model(bench, "ar", None, False)
+    if price is None or ar_price is None:
+        return table, table
+    return price, ar_price
 
 
 def run_simulate_command(args) -> int:
@@ -277,6 +295,7 @@ def run_simulate_command(args) -> int:
         with_cost = None
         if uses_cost(m, args.cost_aware):  # the method's own copy from the bench (a fresh table: the same for all)
             with_cost = cost if args.refresh_cost else method_cost_model(bench, m, cost)
+        price, ar_price = pricing(bench, m, cost, with_cost is not None, args.refresh_cost)
         group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
@@ -289,7 +308,7 @@ def run_simulate_command(args) -> int:
             group.append({"method": m, "options": opts, "cost_aware": with_cost is not None,
                           "mat": tokens / steps if steps else 0.0,
                           "drafted_per_step": drafted / max(steps - len(sims), 1),
-                          "predicted_speedup": predicted_speedup(reps, cost), "num_prompts": len(sims),
+                          "predicted_speedup": predicted_speedup(reps, price, ar_price), "num_prompts": len(sims),
                           "mat_by_category": mat_by_category(sims, categories)})
         group.sort(key=lambda r: -(r["predicted_speedup"] or 0.0))  # a sweep: best predicted shape first
         for rank, r in enumerate(group, start=1):
