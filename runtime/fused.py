@@ -10,17 +10,29 @@ with the kernel's calls a plain bf16 step went from 18.1 to 16.1 ms, a 6-node tr
 bf16 where transformers' modules round, and a row's result depends only on that row (so a tree
 verification still gives plain decoding's logits bit for bit).
 
+The rotary position embedding likewise: transformers' ``apply_rotary_pos_emb`` is six bf16 ops
+and a concatenation per query and key, ~1.1 ms of a ~17 ms plain step here across 30 layers;
+``gemm.rotary`` computes each in one call with torch's bits (each product and the sum rounded to
+bf16 as torch's ops round), and hands the attention a contiguous query (no copy before the
+kernel's attention). Plain bf16 step 16.9 -> 16.0 ms, 6 nodes 18.5 -> 17.5 (BENCHMARKS.md,
+eighteenth session).
+
 Owns ``use_fused_elementwise(model)``: switches the RMS norms and gated MLPs of known
 architectures (``NORMS``, ``MLPS``: Llama and the families that copy its modules) to subclasses
 whose forward takes the kernel's call when it applies (bf16 on the CPU, no gradient wanted,
-the kernel built with AVX-512 BF16) and the module's own forward otherwise. Weights, state dict
-and results in every other case are unchanged. ``SPECSTORE_CPU_FUSED=0`` leaves the modules as
-they are. The verifier switches its model (verify.py), as it does its linears (linear.py).
+the kernel built with AVX-512 BF16) and the module's own forward otherwise; and the
+``apply_rotary_pos_emb`` of the modeling module of each known attention class (``ATTENTIONS``)
+to a function that takes the kernel's call when it applies (one sequence, cos/sin broadcast over
+heads as well) and transformers' own function otherwise; a module-level function, so every model
+of that module in the process takes it, with the same results. Weights, state dict and results
+in every other case are unchanged. ``SPECSTORE_CPU_FUSED=0`` leaves the modules as they are. The
+verifier switches its model (verify.py), as it does its linears (linear.py).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -67,13 +79,56 @@ def _silu(module: torch.nn.Module) -> bool:
     return act == "silu" and all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
+ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention")  # call their module's apply_rotary_pos_emb
+_ROTARY = "_specstore_rotary"
+
+
+def _rotary_function(original):
+    """``original`` (a modeling module's ``apply_rotary_pos_emb``) taking the kernel's call where it
+    applies: bf16 on the CPU, one sequence, cos/sin broadcast over heads, no gradient wanted."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+        if unsqueeze == 1 and len(args) <= 1 and set(kwargs) <= {"unsqueeze_dim"} and not _wants_grad(q, k, cos, sin):
+            out = gemm.rotary(q, k, cos, sin)
+            if out is not None:
+                return out
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    setattr(apply_rotary_pos_emb, _ROTARY, True)
+    return apply_rotary_pos_emb
+
+
+def _use_kernel_rotary(model: torch.nn.Module) -> int:
+    """Give the modeling modules of ``model``'s known attention classes the kernel's rotary
+    embedding (``_rotary_function``; its bits are torch's). A module-level function, so every
+    model of that module in the process takes it: the same results, sooner. Returns how many
+    modules now have it."""
+    if not gemm.has_rotary():
+        return 0
+    done = set()
+    for m in model.modules():
+        cls = type(m)
+        for base in cls.__mro__:
+            if base.__name__ in ATTENTIONS:
+                module = sys.modules.get(base.__module__)
+                fn = getattr(module, "apply_rotary_pos_emb", None)
+                if callable(fn):
+                    if not getattr(fn, _ROTARY, False):
+                        module.apply_rotary_pos_emb = _rotary_function(fn)
+                    done.add(module.__name__)
+                break
+    return len(done)
+
+
 def use_fused_elementwise(model: torch.nn.Module) -> int:
     """Switch ``model``'s RMS norms and silu-gated MLPs of the known classes (module doc);
     idempotent. Returns how many modules run switched (0 where the kernel has no such calls or
     ``SPECSTORE_CPU_FUSED=0``)."""
     if os.environ.get("SPECSTORE_CPU_FUSED", "1") == "0" or not gemm.has_elementwise():
         return 0
-    count = 0
+    count = _use_kernel_rotary(model)
     for m in model.modules():
         cls = type(m)
         if getattr(cls, _SWITCHED, False):

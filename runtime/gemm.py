@@ -179,6 +179,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.specstore_sa_longest.restype = i64
     lib.specstore_context_matches.argtypes = [p, i64, i64, i64, i64, p, p, p]
     lib.specstore_context_matches.restype = i64
+    lib.rotary = bool(lib.specstore_gemm_features() & 16)
+    if lib.rotary:
+        lib.specstore_rotary_bf16.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p]
+        lib.specstore_rotary_bf16.restype = None
     lib.dense = bool(lib.specstore_gemm_features() & 8)
     if lib.dense:
         lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
@@ -301,6 +305,40 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(gate)
     _lib.specstore_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
+
+
+def has_rotary(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded kernel has the bf16 rotary position embedding (fused.py takes it)."""
+    lib = lib or library()
+    return bool(lib is not None and getattr(lib, "rotary", False))
+
+
+def _rotary_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    heads, n, dim = x.shape[1:]
+    out = torch.empty((1, heads, n, dim), dtype=torch.bfloat16)
+    _lib.specstore_rotary_bf16(x.data_ptr(), heads, n, dim, x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(),
+                               cos.stride(1), out.data_ptr())
+    return out
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim`` 1) of one
+    sequence in bf16: ``x cos + rotate_half(x) sin`` for the query [1, heads, n, dim] and key
+    [1, kv_heads, n, dim] rows (any strides, the last dim contiguous) with ``cos``/``sin``
+    [1, n, dim], each op rounded to bf16 as torch rounds, in one call each
+    (specstore_rotary_bf16); contiguous results. None where the kernel does not take it."""
+    if not has_rotary():
+        return None
+    for t in (q, k, cos, sin):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(-1) != 1:
+            return None
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or q.shape[0] != 1 or k.shape[0] != 1:
+        return None
+    n, dim = q.shape[2], q.shape[3]
+    if dim % 2 or k.shape[2] != n or k.shape[3] != dim or cos.shape != (1, n, dim) or sin.shape != cos.shape \
+            or sin.stride(1) != cos.stride(1) or n == 0:
+        return None
+    return _rotary_one(q, cos, sin), _rotary_one(k, cos, sin)
 
 
 DENSE_MAX_DIM = 1024  # csrc/small_gemm.c: the widest reduced embedding specstore_dense_top takes

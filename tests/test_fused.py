@@ -1,6 +1,6 @@
-"""The kernel's RMS norm and gated-MLP middle (gemm.rmsnorm, gemm.silu_mul) and the modules
-switched to them (fused.py): torch's bf16 results, rows independent of each other, and the
-module's own forward wherever the kernel does not apply."""
+"""The kernel's RMS norm, gated-MLP middle and rotary embedding (gemm.rmsnorm, gemm.silu_mul,
+gemm.rotary) and the modules switched to them (fused.py): torch's bf16 results, rows
+independent of each other, and the module's own forward wherever the kernel does not apply."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specstore.runtime import fused, gemm
@@ -106,7 +107,7 @@ def test_switched_llama_modules_give_the_same_tokens_in_bf16_and_the_same_bits_e
     switched = copy.deepcopy(plain)
     count = fused.use_fused_elementwise(switched)
     layers = len(switched.model.layers)
-    assert count == 3 * layers + 1  # two norms and an MLP a layer, the final norm
+    assert count == 3 * layers + 1 + gemm.has_rotary()  # two norms and an MLP a layer, the final norm, the rotary
     assert fused.use_fused_elementwise(switched) == count  # idempotent
     assert type(switched.model.norm).__name__ == "FusedLlamaRMSNorm" and isinstance(switched.model.norm, LlamaRMSNorm)
     assert switched.state_dict().keys() == plain.state_dict().keys()
@@ -123,6 +124,82 @@ def test_switched_llama_modules_give_the_same_tokens_in_bf16_and_the_same_bits_e
     assert calls == {"rmsnorm": 2 * layers + 1, "silu_mul": layers}
     restored = pickle.loads(pickle.dumps(switched_b))
     assert type(restored.model.norm) is type(switched_b.model.norm)
+
+
+needs_rotary = pytest.mark.skipif(not gemm.has_rotary(), reason="the kernel has no bf16 rotary embedding here (needs AVX-512 BF16)")
+_ROTARY = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__", modeling_llama.apply_rotary_pos_emb)  # transformers' own
+
+
+def _rotary_inputs(n: int, dim: int, heads: int = 9, kv_heads: int = 3, seed: int = 0):
+    """Query and key as an attention layer makes them (a transposed view of the projections'
+    rows) and cos/sin of large angles, as transformers' rotary module gives them."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, n, heads * dim, generator=g) * 3).bfloat16().view(1, n, heads, dim).transpose(1, 2)
+    k = (torch.randn(1, n, kv_heads * dim, generator=g) * 3).bfloat16().view(1, n, kv_heads, dim).transpose(1, 2)
+    angles = torch.randn(1, n, dim, generator=g) * 50
+    return q, k, angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+@needs_rotary
+@pytest.mark.parametrize(("n", "dim"), [(1, 64), (7, 64), (17, 128), (3, 48), (2, 2)])
+def test_rotary_is_transformers_bf16_rotary_bit_for_bit(n, dim):
+    """Half widths that are no multiple of 16 included; infinities and NaN where torch has them."""
+    q, k, cos, sin = _rotary_inputs(n, dim, seed=n * dim)
+    q[0, 1, 0, 0], k[0, 0, 0, dim // 2] = float("inf"), float("nan")
+    want = _ROTARY(q, k, cos, sin)
+    got = gemm.rotary(q, k, cos, sin)
+    for w, x in zip(want, got, strict=True):
+        assert x.shape == w.shape and x.is_contiguous()
+        assert torch.equal(torch.isnan(x), torch.isnan(w))
+        finite = ~torch.isnan(w)
+        assert torch.equal(x[finite], w[finite])
+        assert torch.equal(x.view(torch.int16)[finite], w.contiguous().view(torch.int16)[finite])  # the bits, signed zeros too
+
+
+@needs_rotary
+def test_a_rows_rotary_does_not_depend_on_the_other_rows():
+    q, k, cos, sin = _rotary_inputs(9, 64, seed=5)
+    together = gemm.rotary(q, k, cos, sin)
+    for i in range(9):
+        alone = gemm.rotary(q[:, :, i : i + 1], k[:, :, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1])
+        assert torch.equal(alone[0], together[0][:, :, i : i + 1]) and torch.equal(alone[1], together[1][:, :, i : i + 1])
+
+
+def test_the_kernel_declines_rotary_it_does_not_compute():
+    q, k, cos, sin = _rotary_inputs(3, 64)
+    assert gemm.rotary(q.float(), k.float(), cos.float(), sin.float()) is None  # float32
+    assert gemm.rotary(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), cos, sin) is None  # two sequences
+    assert gemm.rotary(q, k, cos[:, :2], sin[:, :2]) is None  # positions differ
+    assert gemm.rotary(q, k[..., :32], cos, sin) is None  # head widths differ
+    assert gemm.rotary(q[..., ::2], k[..., ::2], cos[..., ::2], sin[..., ::2]) is None  # last dim strided
+
+
+@needs_rotary
+def test_the_switched_rotary_function_falls_back_to_transformers_own():
+    model = _fresh_llama().bfloat16()
+    fused.use_fused_elementwise(model)
+    switched = modeling_llama.apply_rotary_pos_emb
+    assert switched.__wrapped__ is _ROTARY
+    fused.use_fused_elementwise(model)
+    assert modeling_llama.apply_rotary_pos_emb is switched  # wrapped once
+    q, k, cos, sin = _rotary_inputs(4, 64, seed=2)
+    calls = []
+    real = gemm.rotary
+    try:
+        gemm.rotary = lambda *a: calls.append(1) or real(*a)
+        for got, want in zip(switched(q, k, cos, sin), _ROTARY(q, k, cos, sin), strict=True):
+            assert torch.equal(got, want)
+        assert calls == [1]
+        # cos/sin broadcast over another dim, or a gradient wanted: transformers' own function
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+        for got, want in zip(switched(qt, kt, cos, sin, unsqueeze_dim=2), _ROTARY(qt, kt, cos, sin, 2), strict=True):
+            assert torch.equal(got, want)
+        qg = q.float().requires_grad_()
+        with torch.enable_grad():
+            out = switched(qg.bfloat16(), k, cos, sin)
+        assert out[0].requires_grad and calls == [1]
+    finally:
+        gemm.rotary = real
 
 
 def test_the_off_switch_leaves_every_module(monkeypatch):

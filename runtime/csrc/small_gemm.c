@@ -333,7 +333,7 @@ int64_t specstore_context_matches(const int64_t *tokens, int64_t size, int64_t m
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 15; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search */
+int specstore_gemm_features(void) { return 31; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -832,6 +832,34 @@ void specstore_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out
         __m512 act = widen_bf16(round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))))));
         store16(out + i, round_bf16(_mm512_mul_ps(act, widen_bf16(load16(u + i, n - i)))), n - i);
     }
+}
+
+/* Rotary position embedding of one sequence's rows (transformers' apply_rotary_pos_emb in bf16,
+ * runtime/fused.py): out = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) for the halves
+ * x1, x2 of each head's row; each product and the sum computed in float32 and rounded to bf16, as
+ * torch's three bf16 ops round (a negated bf16 is exact). x: heads x n rows of dim, row (h, i) at
+ * x + h head_stride + i token_stride; cos, sin: n rows of dim, row i at + i cs_stride; out: heads
+ * x n x dim, contiguous. A row's result depends only on that row. */
+void specstore_rotary_bf16(const uint16_t *x, int64_t heads, int64_t n, int64_t dim, int64_t head_stride,
+                           int64_t token_stride, const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
+                           uint16_t *out) {
+    const int64_t half = dim / 2;
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t *xr = x + h * head_stride + i * token_stride, *c = cos + i * cs_stride, *s = sin + i * cs_stride;
+            uint16_t *o = out + (h * n + i) * dim;
+            for (int64_t j = 0; j < half; j += ATT_LANES) {
+                const int64_t left = half - j;
+                __m512 x1 = widen_bf16(load16(xr + j, left)), x2 = widen_bf16(load16(xr + half + j, left));
+                __m512 a = widen_bf16(round_bf16(_mm512_mul_ps(x1, widen_bf16(load16(c + j, left)))));
+                __m512 b = widen_bf16(round_bf16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), sign)), widen_bf16(load16(s + j, left)))));
+                store16(o + j, round_bf16(_mm512_add_ps(a, b)), left);
+                a = widen_bf16(round_bf16(_mm512_mul_ps(x2, widen_bf16(load16(c + half + j, left)))));
+                b = widen_bf16(round_bf16(_mm512_mul_ps(x1, widen_bf16(load16(s + half + j, left)))));
+                store16(o + half + j, round_bf16(_mm512_add_ps(a, b)), left);
+            }
+        }
 }
 
 /* DReSD's dense search of one query in one block (runtime/dense.py: DenseIndex.search_hidden),
