@@ -55,7 +55,7 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    num_context: int = 2  # context occurrences per step
+    num_context: int = 4  # context occurrences per step (2 before 2026-12-05: BENCHMARKS.md)
     num_suffix: int = 3  # distinct suffix-array continuations per step
     num_dense: int = 3  # dense neighbours per step (after the next-token filter)
     num_overlay: int = 3  # distinct served-overlay continuations per step
