@@ -63,8 +63,9 @@ VERSION = 3  # of the cache file's layout (2: whole verification steps, not forw
 # through the kernel's AVX-512 BF16 dot products, gemm.py, and SDPA over longer caches, attention.py;
 # 12: the kernel's attention skips zero masks, finds maxima in vectors and sums values by bf16 dot
 # products, csrc/small_gemm.c; bf16 RMS norms and MLP middles in the kernel, fused.py; 13: greedy
-# acceptance's bf16 argmax in the kernel, sampling.py, and the timing rule's argmax through it)
-VERIFIER_REVISION = 13
+# acceptance's bf16 argmax in the kernel, sampling.py, and the timing rule's argmax through it;
+# 14: bf16 rotary embedding in the kernel, fused.py)
+VERIFIER_REVISION = 14
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians
