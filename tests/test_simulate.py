@@ -149,7 +149,8 @@ def test_the_replay_streams_the_cold_buffer_every_step_and_changes_nothing_else(
 
 def test_each_side_of_a_prediction_is_priced_with_its_own_corrected_copy():
     """simulate prices a method's replayed steps with the copy of the cost model that method's
-    bench steps corrected, and ar's with ar's (both stored in the result); the table for both
+    bench steps corrected (plain steps at ar's level), and ar's with ar's (both stored in the
+    result); the table for both
     where either copy is missing (an older result) or with --refresh-cost, never a mix."""
     from types import SimpleNamespace
 
@@ -164,6 +165,11 @@ def test_each_side_of_a_prediction_is_priced_with_its_own_corrected_copy():
     assert price.seconds == rest_aware.seconds and ar_price.seconds == ar_copy.seconds  # the cost-aware run's copy
     price, _ = pricing(bench, "rest", table, aware=False)
     assert price.seconds == rest_copy.seconds  # the plain run's
+    # the method's tree corrections, ar's plain-step level (ar corrects it from every step)
+    ar_copy.level, rest_aware.level, rest_aware.tree_scale = 1.05, 1.21, 0.9
+    bench.cost_models.update({"ar": ar_copy.to_json(), "rest+cost": rest_aware.to_json()})
+    price, ar_price = pricing(bench, "rest", table, aware=True)
+    assert price.level == ar_price.level == 1.05 and price.tree_scale == 0.9
     assert pricing(bench, "rest", table, aware=True, refresh=True) == (table, table)
     assert pricing(bench, "dresd", table, aware=True) == (table, table)  # no copy of its own
     older = SimpleNamespace(cost_models={"rest": rest_copy.to_json()})  # before ar kept one

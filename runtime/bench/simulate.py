@@ -255,12 +255,20 @@ def pricing(bench: BenchResult, method: str, table, aware: bool, refresh: bool =
     copies each ended the bench with, corrected online from its own steps (the machine as it
     ran: a table measured before the run priced ar's steps 12% above what they took in a
     code-ID run, BENCHMARKS.md, seventeenth session); ``table`` for both where the bench
-    stored no copy for either of them (an older result) or with ``--refresh-cost``."""
+    stored no copy for either of them (an older result) or with ``--refresh-cost``.
+
+    The method's copy keeps its tree corrections but takes ar's ``level`` (plain decoding's
+    seconds over the table's): a plain step is the same forward whichever method drafts, and ar
+    corrected it from every one of its steps, a drafting method only from the few it gated or
+    pruned to nothing, whose last dozen set it. respec's own level on a chat-OOD run, 1.21
+    against ar's 1.05, predicted 1.14x against 1.32x measured; with ar's, 1.30x (BENCHMARKS.md,
+    eighteenth session)."""
     if refresh:
         return table, table
     price, ar_price = method_cost_model(bench, method, None, aware), method_cost_model(bench, "ar", None, False)
     if price is None or ar_price is None:
         return table, table
+    price.level = ar_price.level
     return price, ar_price
 
 
