@@ -673,6 +673,23 @@ def test_the_gate_closes_on_drafting_that_does_not_pay_and_probes_again_with_bac
     assert fresh.seen == 0 and fresh.closures == 0
 
 
+def test_a_drafter_may_decline_the_gate():
+    """``gated = False`` (ReSpec): the same failing steps that close a gate leave this one open."""
+    from specstore.runtime.drafters.respec import ReSpecDrafter
+
+    class Ungated(_Chain):
+        gated = False
+
+    cost = CostModel([0, 1, 8], [0], [[1.0, 1.1, 1.8]], {})
+    wrapped = CostAwareDrafter(Ungated(), cost)
+    assert not wrapped.gate.enabled and CostAwareDrafter(_Chain(), cost).gate.enabled
+    for _ in range(100):
+        assert wrapped.gate.open()
+        wrapped.gate.record(1, 1.05)
+    assert wrapped.gate.closures == 0 and wrapped.gate.skipped == 0
+    assert ReSpecDrafter.gated is False
+
+
 def test_a_closed_gate_skips_the_inner_drafter_and_the_simulated_replay_closes_it_too():
     """A wrapped drafter whose one node is never accepted, priced by the cost model (1.1 plain
     steps) with no drafting time: after the warm-up the gate closes; while closed the inner

@@ -38,7 +38,10 @@ registry when a cost model is given):
    drafting for a while (``GATE_BACKOFF``: 8 plain steps, doubled up to 64 while it keeps
    failing), then tries ``GATE_PROBE`` steps again and judges them alone. A drafter that pays
    never meets it. Prices come from the cost model, not the step's clock, so the simulator's
-   replay closes the gate where a live run does.
+   replay closes the gate where a live run does. A drafter that says ``gated = False`` gets a
+   gate that never closes: ReSpec, whose fallback is prompt lookup itself, lost the prompt
+   copies a closed gate skipped (chat OOD, eighteenth session, BENCHMARKS.md), and its own
+   pruning already takes plain decoding when its tree does not pay.
 
 The calibration and the gate live as long as the wrapper (across requests, like the bench's
 drafters); ``reset`` does not clear them.
@@ -73,8 +76,9 @@ class DraftGate:
     """Whether to draft at all this step (module doc, 5)."""
 
     def __init__(self, memory: float = GATE_MEMORY, warmup: int = GATE_WARMUP, probe: int = GATE_PROBE,
-                 backoff: tuple[int, int] = GATE_BACKOFF):
+                 backoff: tuple[int, int] = GATE_BACKOFF, enabled: bool = True):
         self.memory, self.warmup, self.probe, self.backoff_range = memory, warmup, probe, backoff
+        self.enabled = enabled  # False: never closes (records nothing)
         self.tokens = self.price = 0.0  # faded sums over drafting steps: committed tokens, plain steps spent
         self.seen = 0  # drafting steps since the gate last (re)opened
         self.closed_for = 0  # plain steps left before the gate reopens
@@ -93,7 +97,7 @@ class DraftGate:
     def record(self, tokens: int, price: float) -> None:
         """One drafting step: ``tokens`` committed (the bonus included) for ``price`` plain steps
         (its verification and drafting over a plain step's seconds)."""
-        if not (np.isfinite(price) and price > 0):
+        if not self.enabled or not (np.isfinite(price) and price > 0):
             return
         if self.seen == 0:  # (re)opened: the steps from here on are judged alone
             self.tokens = self.price = 0.0
@@ -243,7 +247,7 @@ class CostAwareDrafter:
                  count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None):
         self.inner, self.cost = inner, cost
         self.calibrator = calibrator or Calibrator()
-        self.gate = gate if gate is not None else DraftGate()
+        self.gate = gate if gate is not None else DraftGate(enabled=getattr(inner, "gated", True))
         self._step_s = 0.0  # the last propose's drafting seconds (the gate prices the step with them)
         self.name, self.lossless = inner.name, getattr(inner, "lossless", True)
         self.num_kept = self.num_proposed = 0
