@@ -1,10 +1,11 @@
 """Verification cost model: seconds per target forward over a draft tree of ``n`` nodes at a
 context of ``c`` cached tokens, for one loaded model, device, dtype and torch build.
 
-Owns measuring it (a few timed verification steps through the TreeVerifier, the forward and
-everything around it: warm-up first, then the median of repeats at node counts 0 (plain
-decoding, timed ``PLAIN_REPEATS`` times as often: every tree is priced against it), 1, 2, 3, ...
-64 and at two context lengths), the fit (per context, plain decoding as measured and, through
+Owns measuring it (timed verification steps through the TreeVerifier, the forward and
+everything around it: warm-up first, then interleaved rounds over node counts 0 (plain
+decoding, timed ``PLAIN_REPEATS`` times a round: every tree is priced against it), 1, 2, 3, ...
+64 at two context lengths; each tree's seconds as a ratio to its round's plain steps, more
+rounds while a price is uncertain: ``measure``), the fit (per context, plain decoding as measured and, through
 the tree sizes, the closest non-decreasing sequence to their medians (``_monotone``), linear
 between them; linear between contexts), the per-request prefill (a fresh verifier and the prompt's forward, timed at
 ``PREFILL_LENGTHS`` prompt tokens, a line in them: what every method pays once per prompt, which
@@ -45,13 +46,17 @@ from specstore.runtime.tree import DraftTree
 # another register block (6 rows, 12, ...: csrc/small_gemm.c), which 1, 2, 4, 8 missed
 NODE_COUNTS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 1024)
-REPEATS = 7
+REPEATS = 7  # rounds at least (measure)
+MAX_REPEATS = 25  # rounds at most, while some tree size's price is uncertain by more than TOLERANCE
+TOLERANCE = 0.03  # relative half-width of the 95% interval of a tree size's price (in plain steps)
 PREFILL_LENGTHS = (64, 512)  # prompt tokens the prefill is timed at (a line through them prices any prompt)
 PREFILL_REPEATS = 5
 PLAIN_REPEATS = 3  # plain decoding's cell is timed this many times per round (its median prices every tree)
 ONLINE_PRIOR = 20.0  # observe: the measured table counts as this many steps
 ONLINE_MEMORY = 200.0  # observe: steps of memory (older ones fade by 1 - 1/this per step)
-VERSION = 3  # of the cache file's layout (2: whole verification steps, not forwards alone; 3: the prefill line)
+# of the cache file's layout and how its table is measured (2: whole verification steps, not forwards
+# alone; 3: the prefill line; 4: tree prices as ratios to their round's plain steps, more rounds while uncertain)
+VERSION = 4
 # what the verifier's steps cost depends on how it runs them: a new revision re-measures cached
 # tables (2: tree attention without copying the cache, attention.py; 3: bf16/fp16 1-token steps
 # packed on the CPU too; 4: CPU linears on weights packed once, linear.py; 5: bf16/fp16 CPU
@@ -100,6 +105,7 @@ class CostModel:
     online: bool = True  # observe corrects the table; False: the table as measured (reproducible trees)
     # [[prompt tokens, seconds], ...]: a request's prefill as measured (empty: not measured)
     prefill: list[list[float]] = field(default_factory=list)
+    rounds: int = 0  # measure's rounds over the table (0: not measured here, or an older cache file)
     curve: list[tuple[list[float], list[float]]] = field(init=False, default_factory=list)
     plain: list[float] = field(init=False, default_factory=list)
     # per measured node count, the node count its trees are verified as (padded_nodes)
@@ -266,7 +272,7 @@ class CostModel:
     def table_only(self) -> CostModel:
         """The measured table without online corrections (what the cache file holds)."""
         return CostModel(list(self.nodes), list(self.contexts), [list(r) for r in self.seconds], dict(self.key),
-                         prefill=[list(p) for p in self.prefill])
+                         prefill=[list(p) for p in self.prefill], rounds=self.rounds)
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
@@ -277,7 +283,7 @@ class CostModel:
                    level=float(data.get("level", 1.0)), tree_scale=float(data.get("tree_scale", 1.0)),
                    tree_offset=float(data.get("tree_offset", 0.0)),
                    observed=int(data.get("observed", 0)), online=bool(data.get("online", True)),
-                   prefill=[[int(n), float(t)] for n, t in data.get("prefill", [])])
+                   prefill=[[int(n), float(t)] for n, t in data.get("prefill", [])], rounds=int(data.get("rounds", 0)))
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> CostModel:
@@ -363,23 +369,71 @@ def cache_path(key: dict, root: Path | None = None) -> Path:
 
 
 def measure(step: Callable[[int, int], None], nodes: Sequence[int] = NODE_COUNTS, contexts: Sequence[int] = CONTEXTS,
-            repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter, key: dict | None = None) -> CostModel:
-    """Time ``step(nodes, context)`` (one verification forward): one warm-up call per cell, then
-    ``repeats`` rounds over every (context, node count) cell, interleaved so that drift and
-    other load on the machine hit every cell alike (plain decoding's cells ``PLAIN_REPEATS``
-    times a round); the median per cell."""
-    cells = [(c, n) for c in contexts for n in nodes]
-    for c, n in cells:
+            repeats: int = REPEATS, clock: Callable[[], float] = time.perf_counter, key: dict | None = None,
+            max_repeats: int | None = None, tolerance: float = TOLERANCE) -> CostModel:
+    """Time ``step(nodes, context)`` (one verification step): one warm-up call per cell, then
+    rounds over every (context, node count) cell, interleaved so that drift and other load on
+    the machine hit every cell alike. Plain decoding is timed ``PLAIN_REPEATS`` times a round
+    per context, spread through the round's tree sizes; each tree time is kept as a ratio to
+    the median of its round's plain times at that context, so what a round's load or clock
+    adds to every cell cancels out of the tree's price. A cell's seconds: the median of its
+    plain times, times the median of its ratios.
+
+    At least ``repeats`` rounds, then more while some tree cell's ratio median is uncertain
+    by more than ``tolerance`` (the 95% interval of a median, ``1.58 IQR / sqrt(rounds)``;
+    a noisy first measurement priced 8 nodes at 1.37 plain steps where re-measurements found
+    1.19-1.21, BENCHMARKS.md), up to ``max_repeats`` rounds (None: ``MAX_REPEATS``, at least
+    ``repeats``)."""
+    cap = max(repeats, MAX_REPEATS if max_repeats is None else max_repeats)
+    trees = [n for n in nodes if n > 0]
+    # where plain decoding is timed in a round: before the tree sizes, and PLAIN_REPEATS - 1 times between them
+    marks = {round(k * len(trees) / PLAIN_REPEATS) for k in range(1, PLAIN_REPEATS)} if 0 in nodes else set()
+    for c in contexts:
+        for n in nodes:
+            step(n, c)
+
+    def timed(n: int, c: int) -> float:
+        start = clock()
         step(n, c)
-    times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
-    for _ in range(repeats):
-        for c, n in cells:
-            for _ in range(PLAIN_REPEATS if n == 0 else 1):
-                start = clock()
-                step(n, c)
-                times[(c, n)].append(clock() - start)
-    table = [[statistics.median(times[(c, n)]) for n in nodes] for c in contexts]
-    return CostModel(list(nodes), list(contexts), table, key or {})
+        return clock() - start
+
+    plain: dict[int, list[float]] = {c: [] for c in contexts}
+    ratios: dict[tuple[int, int], list[float]] = {(c, n): [] for c in contexts for n in trees}
+    rounds = 0
+    while rounds < cap:
+        for c in contexts:
+            this_round, tree_times = [], []
+            if 0 in nodes:
+                this_round.append(timed(0, c))
+            for j, n in enumerate(trees):
+                if j in marks:
+                    this_round.append(timed(0, c))
+                tree_times.append(timed(n, c))
+            if 0 in nodes:
+                while len(this_round) < PLAIN_REPEATS:
+                    this_round.append(timed(0, c))
+                plain[c] += this_round
+            base = statistics.median(this_round) if this_round else 1.0
+            for n, t in zip(trees, tree_times, strict=True):
+                ratios[(c, n)].append(t / base if base > 0 else t)
+        rounds += 1
+        if rounds >= repeats and all(_uncertainty(r) <= tolerance for r in ratios.values()):
+            break
+    table = []
+    for c in contexts:
+        t0 = statistics.median(plain[c]) if plain[c] else 1.0
+        table.append([t0 if n == 0 else t0 * statistics.median(ratios[(c, n)]) for n in nodes])
+    return CostModel(list(nodes), list(contexts), table, key or {}, rounds=rounds)
+
+
+def _uncertainty(values: Sequence[float]) -> float:
+    """Relative half-width of the 95% interval of ``values``' median (``1.58 IQR / sqrt(n)``,
+    the notch of a box plot): 0 for a single value."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    mid = statistics.median(values)
+    return 1.58 * (q3 - q1) / math.sqrt(len(values)) / abs(mid) if mid else math.inf
 
 
 def measure_prefill(step: Callable[[int], None], lengths: Sequence[int] = PREFILL_LENGTHS,
@@ -516,8 +570,9 @@ def load_cost_model(model, info, *, refresh: bool = False, root: Path | None = N
             pass  # corrupt or from another layout: measure again
     if not quiet:
         print(f"specstore: measuring the verification cost of {info.model_id} on {key['device']} {key['dtype']} "
-              f"(cached in {path})", file=sys.stderr, flush=True)
+              f"(once; {repeats} to {max(repeats, MAX_REPEATS)} rounds; cached in {path})", file=sys.stderr, flush=True)
     ctx = list(contexts) if contexts is not None else usable_contexts(model, nodes)
+    started = time.perf_counter()
     with torch.inference_mode():
         fitted = measure(step or ForwardStep(model), nodes, ctx, repeats, clock, key)
         if prefill_step is None and step is None:
@@ -526,6 +581,8 @@ def load_cost_model(model, info, *, refresh: bool = False, root: Path | None = N
             limit = getattr(model.config, "max_position_embeddings", None)
             lengths = sorted({max(1, min(n, int(limit) - 1)) for n in PREFILL_LENGTHS} if limit else set(PREFILL_LENGTHS))
             fitted.prefill = measure_prefill(prefill_step, lengths, PREFILL_REPEATS, clock)
+    if not quiet:
+        print(f"specstore: measured in {fitted.rounds} rounds, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(fitted.table_only().to_json(), indent=1))

@@ -80,8 +80,8 @@ def test_fit_is_plain_decoding_and_a_curve_never_falling_with_nodes_through_the_
         return values[n][sum(1 for x in order if x == n) - 1]
 
     timer = FakeTimer(seconds)
-    cost = measure(timer.step, nodes=(0, 8, 16), contexts=(10,), repeats=3, clock=timer.clock)
-    assert cost.seconds[0] == pytest.approx([1.0, 0.5, 0.48])  # medians
+    cost = measure(timer.step, nodes=(0, 8, 16), contexts=(10,), repeats=3, clock=timer.clock, max_repeats=3)
+    assert cost.seconds[0] == pytest.approx([1.0, 0.5, 0.48])  # medians (of plain times; of tree times over their round's plain)
     assert cost.plain == [1.0]  # plain decoding as measured, off the trees' curve
     assert cost.curve[0] == ([8.0, 16.0], pytest.approx([0.49, 0.49]))  # a falling cost is noise: pooled, flat
     assert cost.seconds_for(0) == pytest.approx(1.0) and cost.seconds_for(8) == pytest.approx(0.49)
@@ -91,6 +91,40 @@ def test_fit_is_plain_decoding_and_a_curve_never_falling_with_nodes_through_the_
     assert noisy.relative(1) == pytest.approx(1.0)  # one noisy median does not make one node dear
     dips = CostModel([0, 1, 2, 4, 8], [1], [[1.0, 1.1, 1.2, 1.15, 1.3]], {})  # a dip too small to pad: pooled
     assert dips.curve[0][1] == pytest.approx([1.1, 1.175, 1.175, 1.3])
+
+
+def test_measure_prices_trees_against_their_round_and_times_more_rounds_while_prices_are_uncertain():
+    """A load that slows a whole round (every cell alike) cancels out of the trees' prices;
+    noise of single steps makes measure time more rounds, up to max_repeats."""
+    rng = np.random.default_rng(3)
+    state = {"round": 0, "calls": 0}
+    per_round = 2 * (3 + PLAIN_REPEATS)  # timed calls a round: two contexts, three trees and plain decoding
+    warmup = 2 * 4
+
+    def loaded(n, c):  # rounds 0, 2, 4, ... run at twice the speed of 1, 3, 5, ...: drift between rounds
+        state["calls"] += 1
+        k = max(state["calls"] - warmup - 1, 0) // per_round
+        return (1.0 if k % 2 else 2.0) * linear(n, c)
+
+    timer = FakeTimer(loaded)
+    cost = measure(timer.step, nodes=(0, 4, 16, 64), contexts=(100, 1000), repeats=4, clock=timer.clock)
+    assert cost.rounds == 4  # prices exact in every round: nothing uncertain, no round beyond the fourth
+    for n in (4, 16, 64):
+        for c in (100, 1000):
+            assert cost.relative(n, c) == pytest.approx(linear(n, c) / linear(0, c), rel=1e-9)
+
+    def noisy(n, c):
+        return linear(n, c) * float(rng.lognormal(0.0, 0.1))
+
+    timer = FakeTimer(noisy)
+    cost = measure(timer.step, nodes=(0, 4, 16), contexts=(100,), repeats=4, clock=timer.clock, max_repeats=40)
+    assert 4 < cost.rounds <= 40
+    assert timer.calls == 3 + cost.rounds * (2 + PLAIN_REPEATS)
+    assert cost.relative(16, 100) == pytest.approx(linear(16, 100) / linear(0, 100), rel=0.06)
+    few = measure(FakeTimer(noisy).step, nodes=(0, 4, 16), contexts=(100,), repeats=4, max_repeats=6,
+                  clock=FakeTimer(noisy).clock)
+    assert few.rounds <= 6
+    assert CostModel.from_json(json.loads(json.dumps(cost.to_json()))).rounds == cost.rounds == cost.table_only().rounds
 
 
 def test_trees_are_priced_on_the_measured_staircase_not_a_line():
