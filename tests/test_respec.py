@@ -14,7 +14,7 @@ from specstore.runtime.datastore import Datastore
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.drafters.model import ModelDrafter
 from specstore.runtime.drafters.registry import make_drafter
-from specstore.runtime.drafters.respec import ReSpecConfig, ReSpecDrafter, entropy
+from specstore.runtime.drafters.respec import ReSpecConfig, ReSpecDrafter, entropy, resync_candidates
 from specstore.runtime.drafters.respec_pool import Candidate
 from specstore.runtime.relaxed import RelaxedRule, accept_relaxed
 from specstore.runtime.sampling import Sampling
@@ -170,6 +170,34 @@ def test_candidates_under_the_threshold_never_reach_the_verifier():
     drafter.scores = dict.fromkeys(drafter.scores, 0.0)  # nobody qualifies: the fallback drafts
     tree = drafter.propose(state)
     assert tree.tokens.tolist() == [7, 8] and fallback.calls == 1 and tree.node_data["retrieved"].tolist() == [False, False]
+
+
+def test_resync_candidates_go_on_past_the_token_the_target_replaced():
+    drafts = [[5, 6, 7, 8, 9], [5, 6, 9, 10], [5, 7, 1, 2], [5, 6, 7], [5, 6, 3, 4, 11, 12], [5, 6, 2, 8, 9], [5, 6, 4, 8]]
+    found = resync_candidates(drafts, [5, 6], 4)
+    # a substitution ([8, 9], [10]), a skipped token (3: the target's 4 was the draft's next), each
+    # continuation once; a draft off the committed path, one with nothing after the replaced
+    # token and one the target followed (4) give none
+    assert [c.tokens for c in found] == [[8, 9], [10], [11, 12]]
+    assert {c.key for c in found} == {("resync", 0)} and all(c.match == 0 for c in found)
+    assert resync_candidates([[1, 2, 3]], [], 9) == [Candidate(("resync", 0), [2, 3])]  # nothing committed: the first token replaced
+
+
+@pytest.mark.parametrize("resync", [True, False])
+def test_respec_drafts_the_resync_candidate_the_step_after_a_substitution(resync):
+    pool = FixedPool([Candidate(("suffix", -1), [10, 11, 12, 13, 14])])
+    drafter = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=0.0, draft_length=3, resync=resync), StubDrafter())
+    drafter.pool = pool
+    state = DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8)
+    tree = drafter.propose(state)
+    assert tree.tokens.tolist() == [10, 11, 12] and tree.meta["candidate_tokens"] == [[10, 11, 12, 13, 14]]
+    drafter.observe(state, tree, VerifyResult(tree.paths[0][:1], [10], 99, len(tree)))  # 11 replaced by 99
+    tree = drafter.propose(DecodeState(tokens=[1, 2, 3, 10, 99], num_prompt=1, budget=8))
+    paths = {key: tree.tokens[nodes].tolist() for key, nodes in zip(tree.meta["candidate_keys"], tree.paths, strict=True)}
+    assert paths == ({("suffix", -1): [10, 11, 12], ("resync", 0): [12, 13, 14]} if resync else {("suffix", -1): [10, 11, 12]})
+    # a relaxed acceptance (lossy mode) starts no resync; the next observe forgets the last one
+    drafter.observe(state, tree, VerifyResult([], [], 5, len(tree), relaxed=[False]))
+    assert drafter.resync == []
 
 
 def test_draft_length_follows_the_score():

@@ -25,7 +25,16 @@ rule (relaxed.py):
    (``pool.max_ngram`` tokens, the pending one included) is cut to ``context_length`` instead,
    whatever its score: prompt lookup's own rule, so that a long copy from the prompt drafts
    whole from its first step and ReSpec, which holds prompt lookup, does not fall behind it.
-4. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
+4. Resync. After a step whose committed tokens followed a chosen candidate up to a token the
+   target did not take, the next step's pool also holds that candidate's tokens after the one
+   the target replaced (or after the next one, where the target's own token is that next one:
+   a token the target skipped), as a ``("resync", 0)`` candidate (``resync_candidates``): a
+   copy with one token changed (a renamed variable, a different number) picks up where it left
+   off instead of waiting for the context's n-grams to find the copy again. Replayed on the tune
+   splits, MAT +3.0% (code) and +0.7% (chat); the same with the target's token taken as an
+   insertion as well lost 1.4% and 0.9% (BENCHMARKS.md, nineteenth session). ``resync=False``
+   turns it off.
+5. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
    nodes (``tree.node_data["retrieved"]``) may be accepted by the relaxed top-k / ratio /
    look-ahead rule (relaxed.py), which the drafter exposes as ``acceptance`` for the decode loop
    to pass to the verifier; model-made fallback drafts stay strict; ``lossless`` is False.
@@ -62,7 +71,7 @@ import torch
 from specstore.runtime import gemm
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
-from specstore.runtime.drafters.respec_pool import CandidatePool, PoolConfig
+from specstore.runtime.drafters.respec_pool import Candidate, CandidatePool, PoolConfig
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.overlay import OverlayUse
 from specstore.runtime.relaxed import RelaxedRule
@@ -70,7 +79,7 @@ from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
 
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
-SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3}
+SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3, "resync": 4}
 SCORE_EDGES = (0.75, 1.5, 3.0, 6.0)  # EMA score bins of the cost-aware signal
 MATCH_EDGES = (2, 4, 8, 16)  # bins of the context suffix a candidate continues (its ``match``; 16: a long copy)
 SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
@@ -102,6 +111,10 @@ class ReSpecConfig:
     # cost-aware signal per node (_add_signals): "full" source, score, context match and support;
     # "source" source and score only (the signal before 2026-12-02, for ablations)
     cost_signal: str = "full"
+    # after a step whose committed path followed a candidate up to a token the target did not
+    # take, draft what the candidate says after that token (a one-token substitution, or a
+    # deletion where the target's token is the candidate's next): the "resync" source
+    resync: bool = True
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -164,9 +177,11 @@ class ReSpecDrafter:
         self.source_scores: dict[str, float] = {}  # per source, the EMA of every use of its keys
         self.num_retrieved_steps = 0  # steps whose tree came from qualifying candidates
         self.num_fallback_steps = 0
+        self.resync: list[Candidate] = []  # the next step's resync candidates (observe)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.scores, self.source_scores = {}, {}
+        self.resync = []
         self.num_retrieved_steps = self.num_fallback_steps = 0
         self.overlay_use = OverlayUse()
         self.fallback.reset(prompt_ids)
@@ -211,6 +226,9 @@ class ReSpecDrafter:
             return DraftTree.empty()
         if self.triggers(state):
             candidates = self.pool.gather(state, min(max(cfg.draft_length, cfg.context_length), state.budget))
+            if self.resync:
+                candidates += self.resync
+            full = {id(c): c.tokens for c in candidates}  # before the cuts below (observe's resync)
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
@@ -225,6 +243,7 @@ class ReSpecDrafter:
                 self.num_retrieved_steps += 1
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
                 tree.meta["candidate_keys"] = [c.key for c in chosen]
+                tree.meta["candidate_tokens"] = [full[id(c)] for c in chosen]
                 tree.node_data["retrieved"] = np.ones(len(tree), dtype=bool)  # every pool source retrieves
                 self._add_signals(tree, chosen)
                 if self.overlay is not None:
@@ -277,8 +296,11 @@ class ReSpecDrafter:
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)
         keys = tree.meta.get("candidate_keys")
+        self.resync = []
         if not keys:
             return
+        if self.config.resync and not result.relaxed:
+            self.resync = resync_candidates(tree.meta.get("candidate_tokens") or [], result.accepted_tokens, result.bonus)
         accepted = set(result.accepted_nodes)
         best: dict[str, int] = {}
         for key, nodes in zip(keys, tree.paths, strict=True):
@@ -291,6 +313,24 @@ class ReSpecDrafter:
             self.update(key, count)
         for source, count in best.items():  # after every key's own step: a new key's start is the old score
             self.update_source(source, count)
+
+
+def resync_candidates(drafts, committed: list[int], bonus: int) -> list[Candidate]:
+    """The "resync" source (ReSpecConfig.resync): a step committed ``committed`` and the
+    target's own ``bonus`` after them. A draft (a chosen candidate's tokens, before any cut) that
+    holds ``committed`` and then a token other than ``bonus`` goes on, after that token, as
+    what the target may write next: its tokens after the one the target replaced (a
+    substitution), or after the next one where that is ``bonus`` (the target skipped a token).
+    One candidate per distinct continuation, drafts in order; its key ``("resync", 0)``."""
+    n, out, seen = len(committed), [], set()
+    for tokens in drafts:
+        if len(tokens) <= n + 1 or tokens[n] == bonus or list(tokens[:n]) != committed:
+            continue
+        rest = list(tokens[n + 2:] if tokens[n + 1] == bonus else tokens[n + 1:])
+        if rest and tuple(rest) not in seen:
+            seen.add(tuple(rest))
+            out.append(Candidate(("resync", 0), rest))
+    return out
 
 
 def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, overlay=None,
