@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from specstore.runtime.bench import runner
 from specstore.runtime.bench.report import report
-from specstore.runtime.bench.runner import parse_options, run_bench
+from specstore.runtime.bench.runner import parse_options, run_bench, run_order
 from specstore.runtime.bench.simulate import references_from, simulate
 from specstore.runtime.cost import CostModel
 from specstore.runtime.datastore import Datastore
@@ -20,6 +21,7 @@ from tests.helpers import make_tiny_model
 COST = CostModel([0, 1, 8, 64], [0], [[0.01, 0.0105, 0.013, 0.03]], {"test": True}, online=False)  # trees from the text alone
 AWARE = ["pld+cost", "rest+cost", "dresd+cost", "respec+cost"]
 PROMPTS = ["def add(a, b):", "Name three colours.", "Write a haiku about rain.", "Sort a list in Python."]
+ORDERS: list[list[str]] = []  # bench_setup's run order, prompt by prompt
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +40,26 @@ def bench_setup(tmp_path_factory):
     questions = folder / "questions.jsonl"
     questions.write_text("".join(json.dumps({"question_id": i, "category": "a" if i % 2 else "b", "turns": [p, "More."]}) + "\n"
                                  for i, p in enumerate(PROMPTS)))
-    result = run_bench(store=str(folder / "store"), datastore="code", questions=str(questions),
-                       methods=["pld", "rest", "dresd", "respec", "hf"], turns=2, max_new_tokens=24, model=str(model),
-                       dtype="float32", device="cpu", progress=False, cost_aware="both", cost=COST)
+    with pytest.MonkeyPatch.context() as patch:  # the order each prompt ran the methods in
+        patch.setattr(runner, "run_order", lambda methods, k: ORDERS.append(run_order(methods, k)) or ORDERS[-1])
+        result = run_bench(store=str(folder / "store"), datastore="code", questions=str(questions),
+                           methods=["pld", "rest", "dresd", "respec", "hf"], turns=2, max_new_tokens=24, model=str(model),
+                           dtype="float32", device="cpu", progress=False, cost_aware="both", cost=COST)
     return folder, model, loaded, result
+
+
+def test_run_order_rotates_so_every_method_takes_every_place():
+    methods = ["ar", "pld", "rest"]
+    orders = [run_order(methods, k) for k in range(6)]
+    assert orders[:3] == [["ar", "pld", "rest"], ["pld", "rest", "ar"], ["rest", "ar", "pld"]] and orders[3:] == orders[:3]
+    assert all(sorted(o) == sorted(methods) for o in orders)
 
 
 def test_bench_result_contract(bench_setup, tmp_path):
     folder, _, _, result = bench_setup
+    # every prompt and turn ran each method once, the order rotating by one place a prompt
+    names = list(result.methods)
+    assert ORDERS == [names[k % len(names):] + names[:k % len(names)] for k in range(len(PROMPTS) * 2)]
     assert list(result.methods) == ["ar", "pld", "pld+cost", "rest", "rest+cost", "dresd", "dresd+cost", "respec",
                                     "respec+cost", "hf"]
     assert CostModel.from_json(result.cost_model).seconds == COST.seconds

@@ -1,7 +1,8 @@
 """`specstore bench`: every method on every question, interleaved prompt by prompt, one run.
 
-Owns the run order (per question and turn: ar first, then each method, so machine noise hits
-all methods alike), timing, per-step drafting latency, identity to ar, transformers' own
+Owns the run order (per question and turn, every method once, so machine noise hits all
+methods alike; the order rotates from one prompt to the next, ``run_order``, so no method always
+runs in the same place), timing, per-step drafting latency, identity to ar, transformers' own
 baselines (``hf``: greedy ``model.generate``; ``hf-pld``: its prompt lookup), and the result
 model (schemas/bench.py). Metrics are computed by metrics.py.
 """
@@ -195,7 +196,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     which the simulator prices with); the result stores the model as loaded (``cost_model``) and
     each method's copy as it ended (``cost_models``)."""
     options = options or {}
-    methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs, first: it is the reference
+    methods = list(dict.fromkeys(["ar", *methods]))  # ar always runs: it is the reference
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
     if not qs:
         raise SpecstoreError(f"no questions selected from {questions}")
@@ -249,14 +250,16 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
             else:
                 ids = prompt_ids(lm.tokenizer, history)
             meta = {"prompt_id": q.question_id, "category": q.category, "turn": turn}
-            ar_out = None
-            for m in methods:
+            outs = {}
+            for m in run_order(methods, len(records) // len(methods)):
                 if m in HF_METHODS:
-                    out = _run_hf(m, lm.model, lm.tokenizer, ids, max_new_tokens, meta)
+                    outs[m] = _run_hf(m, lm.model, lm.tokenizer, ids, max_new_tokens, meta)
                 else:
-                    out = _run_method(drafters[m], lm.model, lm.tokenizer, ids, max_new_tokens, temperature, 0, meta)
+                    outs[m] = _run_method(drafters[m], lm.model, lm.tokenizer, ids, max_new_tokens, temperature, 0, meta)
+            ar_out = outs["ar"]
+            for m in methods:
+                out = outs[m]
                 if m == "ar":
-                    ar_out = out
                     out.record = out.record.model_copy(update={"prompt_ids": ids, "output_ids": out.ids})
                 elif temperature <= 0:
                     diff = first_difference(ar_out.ids, out.ids)
@@ -302,6 +305,14 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
         cost_models={label: (costs.get(label) or watched[label]).to_json() for label in labels
                      if label in costs or label in watched},
     )
+
+
+def run_order(methods: list[str], k: int) -> list[str]:
+    """The order the ``k``-th prompt (from 0) runs ``methods`` in: rotated by ``k`` places, so
+    that over the run every method takes every place equally often (a place after a new prompt
+    or after a given method would otherwise favour or slow the same method at every prompt)."""
+    k %= len(methods)
+    return methods[k:] + methods[:k]
 
 
 def _running_mat(records: list[PromptRecord], method: str) -> float:
