@@ -187,7 +187,13 @@ class Store:
         uri = self.table_uri(table)
         if not self.location.exists(f"{table}.lance/_versions"):
             return [], None
-        dataset = lance.dataset(uri, storage_options=self.location.options or None)
+        try:
+            dataset = lance.dataset(uri, storage_options=self.location.options or None)
+        except (OSError, ValueError) as exc:
+            # another writer is creating the table: its folder is there, its first version not yet
+            if "not found" not in str(exc).lower():
+                raise
+            return [], None
         return dataset.to_table().to_pylist(), dataset.version
 
     def _rows(self, table: str, schema: pa.Schema) -> list[dict]:

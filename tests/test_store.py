@@ -81,6 +81,18 @@ def test_concurrent_commits_get_distinct_versions(tmp_path):
     assert [r.version for r in store.versions("code")] == [1, 2, 3, 4]
 
 
+def test_a_catalogue_another_writer_is_creating_reads_empty_and_commits(tmp_path):
+    """A concurrent first commit creates the catalogue table: for a moment its folder is there
+    and its first version not yet (a commit that read it then failed with Lance's "not found",
+    once in CI). Readers see no versions; a commit creates the table (or loses the race and
+    retries) and goes on."""
+    store = Store(tmp_path, create=True)
+    (tmp_path / "specstore_versions.lance" / "_versions").mkdir(parents=True)
+    assert store.versions("code") == [] and store.names() == []
+    assert store.commit(manifest()).version == 1
+    assert [r.version for r in Store(tmp_path).versions("code")] == [1]
+
+
 def test_checksums_detect_corruption_and_missing_files(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"hello")
     files = checksum_files(tmp_path, ["a.bin"])
