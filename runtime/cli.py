@@ -220,6 +220,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-drafting", action="store_true",
                    help="replay without streaming over the target's weight bytes between steps (faster; drafting then "
                    "runs on warm caches and costs ~2-3x less than in decoding, so speed is over-predicted)")
+    p.add_argument("--drafting-ms", type=float, default=None, metavar="MS",
+                   help="price every replayed step's drafting at MS milliseconds, in the pruner and in the predicted "
+                   "speed, instead of the time the replay measures: replays of the same settings then give the same "
+                   "trees and numbers, so a sweep's rows differ only by what the options change (default: measured)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cmd_simulate)
 

@@ -174,3 +174,37 @@ def test_each_side_of_a_prediction_is_priced_with_its_own_corrected_copy():
     assert pricing(bench, "dresd", table, aware=True) == (table, table)  # no copy of its own
     older = SimpleNamespace(cost_models={"rest": rest_copy.to_json()})  # before ar kept one
     assert pricing(older, "rest", table, aware=True) == (table, table)
+
+
+def test_fixed_drafting_makes_a_replay_independent_of_its_clock():
+    """--drafting-ms: the cost-aware wrapper prices every step's drafting at a fixed figure, so
+    two replays whose drafting took very different times give the same trees, and the
+    prediction adds that figure a step; priced as measured, the trees differ."""
+    import copy
+    import itertools
+
+    from specstore.runtime.bench.simulate import fixed_drafting, predicted_seconds, replay_one
+    from specstore.runtime.cost import CostModel
+    from tests.decoding_helpers import random_prompt
+
+    model, _ = tiny_lm()
+    prompt = random_prompt(np.random.default_rng(0), model.config.vocab_size, 40)
+    ar = decode(model, prompt, make_drafter("ar"), 40, Sampling())
+    ref = Reference(prompt, ar.token_ids)
+    cost = CostModel([0, 1, 16], [0], [[1.0, 1.3, 4.0]], {})  # steep: what drafting costs decides trees
+
+    def make(tick_s, fixed):
+        drafter = make_drafter("pld", cost=copy.deepcopy(cost))
+        ticks = itertools.count()
+        drafter.clock = lambda: next(ticks) * tick_s  # each timed stretch of drafting takes tick_s
+        return fixed_drafting(drafter, fixed)
+
+    slow, fast = replay_one(make(5.0, None), ref, 40, None), replay_one(make(0.0, None), ref, 40, None)
+    assert slow.trees != fast.trees
+    a, b = replay_one(make(5.0, 0.002), ref, 40, None), replay_one(make(0.0, 0.002), ref, 40, None)
+    assert a.trees == b.trees and a.stats.accepted_per_step == b.stats.accepted_per_step
+    assert any(n for n, _ in a.trees)
+    method, _ = predicted_seconds([a], cost, drafting_s=0.002)
+    assert method == pytest.approx(sum(cost.seconds_for(n, c) for n, c in a.trees) + 0.002 * a.stats.steps)
+    plain = make_drafter("pld")
+    assert fixed_drafting(plain, 0.002) is plain and not hasattr(plain, "fixed_drafting_s")  # no wrapper: as it was

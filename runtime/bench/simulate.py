@@ -142,10 +142,10 @@ def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None
     return Replay(stats, verifier.trees, len(ref.prompt_ids))
 
 
-def predicted_seconds(replays: list[Replay], cost, ar_cost=None) -> tuple[float, float]:
+def predicted_seconds(replays: list[Replay], cost, ar_cost=None, drafting_s: float | None = None) -> tuple[float, float]:
     """(seconds the replayed method would take, seconds ar would take) on the same references:
     each verification priced by ``cost`` at its tree size and context, plus the replayed
-    drafting time; ar one 0-node forward per token after the first, priced by ``ar_cost``
+    drafting time (``drafting_s``: that many seconds a replayed step instead); ar one 0-node forward per token after the first, priced by ``ar_cost``
     (None: ``cost``); both sides each request's prefill (``prefill_seconds`` of its prompt, each
     side's model; left out where a cost model has no prefill measurement), as the bench's wall
     times hold it."""
@@ -160,15 +160,15 @@ def predicted_seconds(replays: list[Replay], cost, ar_cost=None) -> tuple[float,
         nodes = np.array([n for n, _ in r.trees])
         ctx = np.array([c for _, c in r.trees])
         method += float(sum(cost.seconds_for(int(n), int(c)) for n, c in zip(nodes, ctx, strict=True)))
-        method += r.stats.drafting_s
+        method += r.stats.drafting_s if drafting_s is None else drafting_s * r.stats.steps
         ar_ctx = r.prompt_len + np.arange(r.stats.num_tokens - 1)  # ar: one forward per later token
         ar += float(sum(ar_cost.seconds_for(0, int(c)) for c in ar_ctx))
     return method, ar
 
 
-def predicted_speedup(replays: list[Replay], cost, ar_cost=None) -> float | None:
+def predicted_speedup(replays: list[Replay], cost, ar_cost=None, drafting_s: float | None = None) -> float | None:
     """Predicted speedup over ar (``predicted_seconds``); None when nothing was decoded."""
-    method, ar = predicted_seconds(replays, cost, ar_cost)
+    method, ar = predicted_seconds(replays, cost, ar_cost, drafting_s)
     return ar / method if method > 0 else None
 
 
@@ -194,6 +194,16 @@ def replay(make: Callable[[], object], refs: list[Reference], max_new_tokens: in
         context = context_limit(model)
     return [replay_one(drafter, r, max_new_tokens, context, reference_states(model, r) if model is not None else None,
                        evict) for r in refs]
+
+
+def fixed_drafting(drafter, seconds: float | None):
+    """``drafter`` with its cost-aware wrapper (if any) pricing every step's drafting at
+    ``seconds`` (None: as measured): ``--drafting-ms``."""
+    from specstore.runtime.drafters.cost_aware import CostAwareDrafter
+
+    if seconds is not None and isinstance(drafter, CostAwareDrafter):
+        drafter.fixed_drafting_s = drafter.draft_s = seconds
+    return drafter
 
 
 def _ar_records(result: BenchResult) -> list:
@@ -295,6 +305,9 @@ def run_simulate_command(args) -> int:
         ds = Datastore.open(Store.from_args(args), args.datastore, model_info=lm.info, dense=needs_dense(methods))
     cost = bench_cost_model(bench, args)
     evict = None if args.warm_drafting else cold_buffer(lm.model if lm is not None else None, bench.dtype)
+    fixed = None if getattr(args, "drafting_ms", None) is None else args.drafting_ms / 1e3
+    if fixed is not None and not (fixed >= 0 and np.isfinite(fixed)):
+        raise SpecstoreError(f"--drafting-ms must be a finite number >= 0, got {args.drafting_ms}")
     rows = []
     for m in methods:
         grid = sweeps.get(m, {})
@@ -307,8 +320,8 @@ def run_simulate_command(args) -> int:
         group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
-            reps = replay(lambda m=m, opts=opts, c=with_cost: make_drafter(m, datastore=ds, cost=c, **opts), refs,
-                          bench.max_new_tokens, lm.model if need_states else None,
+            reps = replay(lambda m=m, opts=opts, c=with_cost: fixed_drafting(make_drafter(m, datastore=ds, cost=c, **opts), fixed),
+                          refs, bench.max_new_tokens, lm.model if need_states else None,
                           context_limit(lm.model) if lm is not None else None, evict)
             sims = [r.stats for r in reps]
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
@@ -316,7 +329,7 @@ def run_simulate_command(args) -> int:
             group.append({"method": m, "options": opts, "cost_aware": with_cost is not None,
                           "mat": tokens / steps if steps else 0.0,
                           "drafted_per_step": drafted / max(steps - len(sims), 1),
-                          "predicted_speedup": predicted_speedup(reps, price, ar_price), "num_prompts": len(sims),
+                          "predicted_speedup": predicted_speedup(reps, price, ar_price, fixed), "num_prompts": len(sims),
                           "mat_by_category": mat_by_category(sims, categories)})
         group.sort(key=lambda r: -(r["predicted_speedup"] or 0.0))  # a sweep: best predicted shape first
         for rank, r in enumerate(group, start=1):

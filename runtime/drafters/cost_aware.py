@@ -241,10 +241,13 @@ class CostAwareDrafter:
     The step's own drafting (the inner drafter's propose and observe, and this wrapper's work),
     timed every step and averaged over ``DRAFT_MEMORY`` steps, is priced into the rule as the
     ``overhead`` of ``prune``: it is spent whatever the tree's size (``clock``: a fake timer for
-    tests; ``count_drafting=False`` leaves it out)."""
+    tests; ``count_drafting=False`` leaves it out). ``fixed_drafting_s``: price every step's
+    drafting at these seconds instead (the rule and the gate; the simulator's ``--drafting-ms``:
+    a replay's trees then do not depend on how long its drafting happened to take)."""
 
     def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None, *,
-                 count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None):
+                 count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None,
+                 fixed_drafting_s: float | None = None):
         self.inner, self.cost = inner, cost
         self.calibrator = calibrator or Calibrator()
         self.gate = gate if gate is not None else DraftGate(enabled=getattr(inner, "gated", True))
@@ -253,7 +256,9 @@ class CostAwareDrafter:
         self.num_kept = self.num_proposed = 0
         self.context = 0  # the context the last tree was pruned at
         self.count_drafting, self.clock = count_drafting, clock
-        self.draft_s: float | None = None  # drafting seconds a step, averaged (None before a step)
+        self.fixed_drafting_s = fixed_drafting_s
+        # drafting seconds a step, averaged (None before a step)
+        self.draft_s: float | None = fixed_drafting_s
         self._observe_s = 0.0  # the last observe's seconds (counted with the next step's propose)
 
     @property
@@ -292,6 +297,8 @@ class CostAwareDrafter:
         if padded > len(tree):  # the verifier adds masked rows: a forward this size is cheaper here
             tree.meta["verify_as"] = padded
         spent = self.clock() - start + self._observe_s
+        if self.fixed_drafting_s is not None:
+            spent = self.fixed_drafting_s
         self._step_s = spent
         if np.isfinite(spent) and spent >= 0:
             self.draft_s = spent if self.draft_s is None else self.draft_s + (spent - self.draft_s) / DRAFT_MEMORY
