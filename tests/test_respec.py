@@ -200,6 +200,21 @@ def test_respec_drafts_the_resync_candidate_the_step_after_a_substitution(resync
     assert drafter.resync == []
 
 
+def test_a_fallback_chain_resyncs_too():
+    class Chain(StubDrafter):
+        source = "lookup"
+
+        def propose(self, state):
+            return DraftTree.chain([7, 8, 9, 10])
+
+    drafter = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=0.0), Chain())  # never retrieves: the fallback drafts
+    state = DecodeState(tokens=[1, 2, 3], num_prompt=1, budget=8)
+    tree = drafter.propose(state)
+    assert tree.meta["candidate_tokens"] == [[7, 8, 9, 10]]
+    drafter.observe(state, tree, VerifyResult([0], [7], 42, len(tree)))  # 8 replaced by 42
+    assert [c.tokens for c in drafter.resync] == [[9, 10]]
+
+
 def test_draft_length_follows_the_score():
     pool = FixedPool([Candidate(("suffix", -1), list(range(10, 20))), Candidate(("dense", -2), list(range(20, 30)))])
     drafter = ReSpecDrafter(None, ReSpecConfig(entropy_threshold=math.inf, length_factor=2.0, draft_length=8), StubDrafter())

@@ -32,8 +32,9 @@ rule (relaxed.py):
    copy with one token changed (a renamed variable, a different number) picks up where it left
    off instead of waiting for the context's n-grams to find the copy again. Replayed on the tune
    splits, MAT +3.0% (code) and +0.7% (chat); the same with the target's token taken as an
-   insertion as well lost 1.4% and 0.9% (BENCHMARKS.md, nineteenth session). ``resync=False``
-   turns it off.
+   insertion as well lost 1.4% and 0.9% (BENCHMARKS.md, nineteenth session). The fallback's
+   chains (prompt lookup) resync the same way (+0.4% / +0.3% MAT, replayed with a fixed drafting
+   price). ``resync=False`` turns it off.
 5. Verification. ``relaxed=False`` (default): strict, lossless. ``relaxed=True``: retrieved
    nodes (``tree.node_data["retrieved"]``) may be accepted by the relaxed top-k / ratio /
    look-ahead rule (relaxed.py), which the drafter exposes as ``acceptance`` for the decode loop
@@ -257,6 +258,8 @@ class ReSpecDrafter:
         tree = self.fallback.propose(state)
         retrieved = getattr(self.fallback, "source", "lookup") not in MODEL_SOURCES
         tree.node_data["retrieved"] = np.full(len(tree), retrieved, dtype=bool)
+        if retrieved and len(tree) and cfg.resync and bool((tree.parents == np.arange(-1, len(tree) - 1)).all()):
+            tree.meta["candidate_tokens"] = [tree.tokens.tolist()]  # prompt lookup's chain: resync from it too
         # the fallback's own signal (pld: match length), in buckets apart from the pool's
         own = tree.node_data.get("bucket")
         tree.node_data["bucket"] = FALLBACK_BUCKET + (np.zeros(len(tree), dtype=np.int64) if own is None else own)
@@ -297,10 +300,10 @@ class ReSpecDrafter:
         self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)
         keys = tree.meta.get("candidate_keys")
         self.resync = []
-        if not keys:
-            return
         if self.config.resync and not result.relaxed:
             self.resync = resync_candidates(tree.meta.get("candidate_tokens") or [], result.accepted_tokens, result.bonus)
+        if not keys:
+            return
         accepted = set(result.accepted_nodes)
         best: dict[str, int] = {}
         for key, nodes in zip(keys, tree.paths, strict=True):
