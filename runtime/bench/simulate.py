@@ -145,8 +145,8 @@ def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None
 def predicted_seconds(replays: list[Replay], cost, ar_cost=None, drafting_s: float | None = None) -> tuple[float, float]:
     """(seconds the replayed method would take, seconds ar would take) on the same references:
     each verification priced by ``cost`` at its tree size and context, plus the replayed
-    drafting time (``drafting_s``: that many seconds a replayed step instead); ar one 0-node forward per token after the first, priced by ``ar_cost``
-    (None: ``cost``); both sides each request's prefill (``prefill_seconds`` of its prompt, each
+    drafting time (``drafting_s``: that many seconds a replayed step instead); ar one 0-node
+    forward per token after the first, priced by ``ar_cost`` (None: ``cost``); both sides each request's prefill (``prefill_seconds`` of its prompt, each
     side's model; left out where a cost model has no prefill measurement), as the bench's wall
     times hold it."""
     ar_cost = cost if ar_cost is None else ar_cost
@@ -202,7 +202,7 @@ def fixed_drafting(drafter, seconds: float | None):
     from specstore.runtime.drafters.cost_aware import CostAwareDrafter
 
     if seconds is not None and isinstance(drafter, CostAwareDrafter):
-        drafter.fixed_drafting_s = drafter.draft_s = seconds
+        drafter.fix_drafting(seconds)
     return drafter
 
 

@@ -241,13 +241,10 @@ class CostAwareDrafter:
     The step's own drafting (the inner drafter's propose and observe, and this wrapper's work),
     timed every step and averaged over ``DRAFT_MEMORY`` steps, is priced into the rule as the
     ``overhead`` of ``prune``: it is spent whatever the tree's size (``clock``: a fake timer for
-    tests; ``count_drafting=False`` leaves it out). ``fixed_drafting_s``: price every step's
-    drafting at these seconds instead (the rule and the gate; the simulator's ``--drafting-ms``:
-    a replay's trees then do not depend on how long its drafting happened to take)."""
+    tests; ``count_drafting=False`` leaves it out; ``fix_drafting``: a fixed figure instead)."""
 
     def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None, *,
-                 count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None,
-                 fixed_drafting_s: float | None = None):
+                 count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None):
         self.inner, self.cost = inner, cost
         self.calibrator = calibrator or Calibrator()
         self.gate = gate if gate is not None else DraftGate(enabled=getattr(inner, "gated", True))
@@ -256,9 +253,8 @@ class CostAwareDrafter:
         self.num_kept = self.num_proposed = 0
         self.context = 0  # the context the last tree was pruned at
         self.count_drafting, self.clock = count_drafting, clock
-        self.fixed_drafting_s = fixed_drafting_s
-        # drafting seconds a step, averaged (None before a step)
-        self.draft_s: float | None = fixed_drafting_s
+        self.fixed_drafting_s: float | None = None  # fix_drafting
+        self.draft_s: float | None = None  # drafting seconds a step, averaged (None before a step)
         self._observe_s = 0.0  # the last observe's seconds (counted with the next step's propose)
 
     @property
@@ -272,6 +268,12 @@ class CostAwareDrafter:
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.inner.reset(prompt_ids)
+
+    def fix_drafting(self, seconds: float) -> None:
+        """Price every step's drafting at ``seconds`` from now on, in the rule and the gate,
+        whatever it takes (the simulator's ``--drafting-ms``: a replay's trees then do not
+        depend on how long its drafting happened to take)."""
+        self.fixed_drafting_s = self.draft_s = float(seconds)
 
     def overhead(self, context: int | None) -> float:
         """The averaged drafting seconds of a step in plain decoding steps at ``context``."""

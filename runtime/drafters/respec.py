@@ -227,12 +227,11 @@ class ReSpecDrafter:
             return DraftTree.empty()
         if self.triggers(state):
             candidates = self.pool.gather(state, min(max(cfg.draft_length, cfg.context_length), state.budget))
-            if self.resync:
-                candidates += self.resync
-            full = {id(c): c.tokens for c in candidates}  # before the cuts below (observe's resync)
+            candidates += self.resync
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
+            uncut = [c.tokens for c in chosen]  # before the cuts below (observe's resync)
             for c in chosen:
                 if cfg.context_length and c.source == "context" and c.match >= cfg.pool.max_ngram:
                     c.tokens = c.tokens[: cfg.context_length]
@@ -244,7 +243,7 @@ class ReSpecDrafter:
                 self.num_retrieved_steps += 1
                 tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
                 tree.meta["candidate_keys"] = [c.key for c in chosen]
-                tree.meta["candidate_tokens"] = [full[id(c)] for c in chosen]
+                tree.meta["candidate_tokens"] = uncut
                 tree.node_data["retrieved"] = np.ones(len(tree), dtype=bool)  # every pool source retrieves
                 self._add_signals(tree, chosen)
                 if self.overlay is not None:
@@ -299,9 +298,8 @@ class ReSpecDrafter:
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)
         keys = tree.meta.get("candidate_keys")
-        self.resync = []
-        if self.config.resync and not result.relaxed:
-            self.resync = resync_candidates(tree.meta.get("candidate_tokens") or [], result.accepted_tokens, result.bonus)
+        drafts = tree.meta.get("candidate_tokens") if self.config.resync and not result.relaxed else None
+        self.resync = resync_candidates(drafts, result.accepted_tokens, result.bonus) if drafts else []
         if not keys:
             return
         accepted = set(result.accepted_nodes)
