@@ -181,6 +181,51 @@ def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
         assert r["mat"] == pytest.approx(result.methods[r["method"] + "+cost"].mat, abs=1e-12), r["method"]
 
 
+def test_respec_headroom_replays_as_simulate_and_bounds_what_it_lost(bench_setup, tmp_path, capsys):
+    """benchmarks/respec_headroom.py: its hooks leave the replay as simulate's (the bench's MAT
+    again) and the classes as they were; the oracles bound what the tree got."""
+    import importlib.util
+    from pathlib import Path
+
+    from specstore.runtime.bench.simulate import ReplayVerifier
+    from specstore.runtime.drafters.respec import ReSpecDrafter
+
+    spec = importlib.util.spec_from_file_location("respec_headroom", Path(__file__).resolve().parents[1] / "benchmarks" / "respec_headroom.py")
+    headroom = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(headroom)
+    folder, model, _, result = bench_setup
+    refs = tmp_path / "refs.json"
+    refs.write_text(result.model_dump_json())
+    from specstore.runtime.cli import main as cli
+
+    # the tiny model's next-token entropy is high: retrieve at every step, so that the pool drafts
+    assert cli(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
+                "--methods", "respec", "--option", "respec.entropy_threshold=inf", "--model", str(model),
+                "--cost-aware", "on", "--drafting-ms", "0.5", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)[0]["mat"]
+    before = (ReSpecDrafter.propose, ReplayVerifier.step)
+    report = headroom.main(["--references", str(refs), "--store", str(folder / "store"), "--datastore", "code",
+                            "--model", str(model), "--option", "entropy_threshold=inf", "--drafting-ms", "0.5",
+                            "--json", str(tmp_path / "headroom.json")])
+    printed = capsys.readouterr().out
+    assert (ReSpecDrafter.propose, ReplayVerifier.step) == before
+    assert report["mat"] == pytest.approx(simulated, abs=1e-12)
+    assert report["pool_steps"] > 0 and "pool oracle" in printed and json.loads((tmp_path / "headroom.json").read_text())["mat"] == report["mat"]
+    assert report["pool_oracle"] >= report["chosen_oracle"] >= report["accepted"] >= 0
+    assert report["first_covered"] >= report["first_accepted"]
+    assert report["lost_missing"] + report["lost_cut"] == pytest.approx(report["chosen_oracle"] - report["accepted"])
+    assert sum(r["n"] for r in report["calibration"]) == sum(r["n"] for r in report["calibration_by_depth"]) > 0
+    # the figures from hand-made steps: two pool steps and one without
+    steps = [{"accepted": 0, "pool": [("dense", 2), ("context", 0)], "chosen": [2]},
+             {"accepted": 1, "pool": [("suffix", 3), ("resync", 3)], "chosen": [3, 1]}, {"accepted": 2}]
+    figures = headroom.summarise(steps)
+    assert figures["pool_steps"] == 2 and figures["accepted"] == 0.5 and figures["pool_oracle"] == 2.5
+    assert figures["lost_missing"] == 1.0 and figures["lost_cut"] == 1.0 and figures["first_covered"] == 1.0
+    assert figures["first_accepted"] == 0.5 and figures["best_source"] == {"dense": 1, "suffix": 1, "resync": 1}
+    table = headroom.binned([(0.1, 0), (0.3, 1), (0.35, 0), (0.9, 1)], (0.2, 0.4))
+    assert [(r["n"], r["rate"]) for r in table] == [(1, 0.0), (2, 0.5), (1, 1.0)] and table[1]["bin"] == [0.2, 0.4]
+
+
 def test_option_parsing_and_errors():
     assert parse_options(["rest.max_nodes=32", "dresd.k=3", "respec.relaxed=true", "x.name=abc"]) == {
         "rest": {"max_nodes": 32}, "dresd": {"k": 3}, "respec": {"relaxed": True}, "x": {"name": "abc"}}
