@@ -82,6 +82,13 @@ def binned(pairs, edges) -> list[dict]:
              "rate": float(np.mean([y for _, y in v]))} for b, v in sorted(rows.items())]
 
 
+def print_table(header: list[str], rows: list[list]) -> None:
+    """A markdown table after a blank line."""
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--references", required=True, help="a bench result JSON with ar references")
@@ -211,18 +218,20 @@ def main(argv: list[str] | None = None) -> dict:
               f"{report['lost_cut']:.3f} where it stopped short")
         print("source of the best candidate:", report["best_source"])
     pred = {tuple(r["bin"]): r for r in report["calibration_predicted_by_depth"]}
-    print("\n| calibrated probability | trials | predicted | accepted |\n|---|---|---|---|")
-    for r in report["calibration"]:
-        print(f"| {r['bin'][0]:g} .. {r['bin'][1]:g} | {r['n']} | {r['mean']:.3f} | {r['rate']:.3f} |")
-    print("\n| depth | trials | predicted | accepted |\n|---|---|---|---|")
-    for r in report["calibration_by_depth"]:
-        print(f"| {r['bin'][0]:g} .. {r['bin'][1]:g} | {r['n']} | {pred[tuple(r['bin'])]['rate']:.3f} | {r['rate']:.3f} |")
-    print("\n| dense similarity | candidates | first token right |\n|---|---|---|")
-    for r in report["dense_by_similarity"]:
-        print(f"| {r['bin'][0]:g} .. {r['bin'][1]:g} | {r['n']} | {r['rate']:.3f} |")
-    print("\n| other candidates with its first token | dense candidates | first token right |\n|---|---|---|")
-    for r in report["dense_by_agreement"]:
-        print(f"| {int(r['mean'])}{'+' if r['mean'] >= 2 else ''} | {r['n']} | {r['rate']:.3f} |")
+
+    def span(r: dict) -> str:
+        return f"{r['bin'][0]:g} .. {r['bin'][1]:g}"
+
+    print_table(["calibrated probability", "trials", "predicted", "accepted"],
+                [[span(r), r["n"], f"{r['mean']:.3f}", f"{r['rate']:.3f}"] for r in report["calibration"]])
+    print_table(["depth", "trials", "predicted", "accepted"],
+                [[span(r), r["n"], f"{pred[tuple(r['bin'])]['rate']:.3f}", f"{r['rate']:.3f}"]
+                 for r in report["calibration_by_depth"]])
+    print_table(["dense similarity", "candidates", "first token right"],
+                [[span(r), r["n"], f"{r['rate']:.3f}"] for r in report["dense_by_similarity"]])
+    print_table(["other candidates with its first token", "dense candidates", "first token right"],
+                [[f"{int(r['mean'])}{'+' if r['mean'] >= 2 else ''}", r["n"], f"{r['rate']:.3f}"]
+                 for r in report["dense_by_agreement"]])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **report}, f, indent=1)
