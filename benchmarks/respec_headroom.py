@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     from specstore.runtime.bench.runner import parse_value
     from specstore.runtime.datastore import Datastore
     from specstore.runtime.decode import context_limit
-    from specstore.runtime.drafters import cost_aware, respec
+    from specstore.runtime.drafters import cost_aware, respec, respec_pool
     from specstore.runtime.drafters.registry import make_drafter
     from specstore.runtime.models import load_model
     from specstore.runtime.store import Store
@@ -137,26 +137,25 @@ def main(argv: list[str] | None = None) -> dict:
             similarity[c.offset] = scores.get(c.offset - past, float("nan"))
         return out
 
+    gather = respec_pool.CandidatePool.gather
+
+    def pool_gather(self, state, length):
+        found = gather(self, state, length)
+        step["gathered"] = list(found)  # a copy: propose then adds the resync candidates to the list it got
+        return found
+
     propose = respec.ReSpecDrafter.propose
 
     def respec_propose(self, state):
         similarity.clear()
-        gathered, resync = [], list(self.resync)
-        gather = self.pool.gather
-
-        def keep(st, length):
-            found = gather(st, length)
-            gathered.extend(found + resync)  # propose adds the resync candidates to what the pool gives
-            return found
-
-        self.pool.gather = keep
-        try:
-            tree = propose(self, state)
-        finally:
-            del self.pool.gather
+        step.pop("gathered", None)
+        resync = list(self.resync)  # propose adds them to what the pool gives, when it asks the pool
+        tree = propose(self, state)
+        gathered = step.pop("gathered", None)
         size = len(state.tokens)
-        step["pool"] = [(c.source, list(c.tokens), similarity.get(c.key[1] + size) if c.source == "dense" else None)
-                        for c in gathered]
+        step["pool"] = None if gathered is None else [
+            (c.source, list(c.tokens), similarity.get(c.key[1] + size) if c.source == "dense" else None)
+            for c in gathered + resync]
         step["chosen"] = tree.meta.get("candidate_tokens") if tree.meta.get("candidate_keys") else None
         return tree
 
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                     trials.append((float(prob[i]), depth[i], int(i in accepted)))
         return observe(self, state, tree, result)
 
-    retrieval.DenseSource.drafts = dense_drafts
+    retrieval.DenseSource.drafts, respec_pool.CandidatePool.gather = dense_drafts, pool_gather
     respec.ReSpecDrafter.propose = respec_propose
     simulate.ReplayVerifier.step = replay_step
     cost_aware.CostAwareDrafter.observe = wrapped_observe
@@ -197,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
             lambda: simulate.fixed_drafting(make_drafter("respec", datastore=datastore, cost=cost, **options), fixed),
             refs, bench.max_new_tokens, lm.model, context_limit(lm.model))
     finally:  # the classes as they were (a caller in the same process replays unobserved)
-        retrieval.DenseSource.drafts, respec.ReSpecDrafter.propose = drafts, propose
+        retrieval.DenseSource.drafts, respec_pool.CandidatePool.gather = drafts, gather
+        respec.ReSpecDrafter.propose = propose
         simulate.ReplayVerifier.step, cost_aware.CostAwareDrafter.observe = verify, observe
     tokens, total = sum(r.stats.num_tokens for r in replays), sum(r.stats.steps for r in replays)
     report = {"mat": tokens / total, "drafted_per_step": sum(r.stats.num_drafted for r in replays) / total,
