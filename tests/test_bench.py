@@ -141,6 +141,20 @@ def test_bench_command_end_to_end(bench_setup, tmp_path, capsys, monkeypatch):
     assert code == 2 and "methods rest need --datastore" in capsys.readouterr().err
 
 
+def test_a_method_variant_runs_beside_its_method_with_its_own_options(bench_setup):
+    """``rest`` and ``rest:small`` (max_nodes 2) in one run, interleaved: both identical to ar,
+    each with its own options."""
+    folder, model, _, _ = bench_setup
+    result = run_bench(store=str(folder / "store"), datastore="code", questions=str(folder / "questions.jsonl"),
+                       methods=["rest", "rest:small"], limit=2, max_new_tokens=16, model=str(model), dtype="float32",
+                       device="cpu", progress=False, cost_aware="off", options={"rest:small": {"max_nodes": 2}})
+    assert list(result.methods) == ["ar", "rest", "rest:small"]
+    assert all(m.identical_to_ar for name, m in result.methods.items() if name != "ar")
+    small = [r for r in result.prompts if r.method == "rest:small"]
+    assert len(small) == 2 and all(r.num_drafted <= 2 * (r.steps - 1) for r in small)
+    assert max(r.num_drafted - 2 * (r.steps - 1) for r in result.prompts if r.method == "rest") > 0  # rest's own cap is wider
+
+
 def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
     from specstore.runtime.cli import main
 

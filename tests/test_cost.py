@@ -527,6 +527,23 @@ def test_cost_aware_modes_select_methods():
     assert drafter_labels(["ar", "pld", "rest"], "auto") == {"ar": ("ar", False), "pld": ("pld", False), "rest": ("rest", True)}
     with pytest.raises(SpecstoreError, match="cost-aware must be one of"):
         drafter_labels(["pld"], "sometimes")
+    # METHOD:NAME runs METHOD again under its own label, cost-aware as METHOD is
+    assert drafter_labels(["ar", "respec", "respec:nohead"], "auto") == {"ar": ("ar", False), "respec": ("respec", True),
+                                                                         "respec:nohead": ("respec", True)}
+    assert drafter_labels(["pld:x"], "both") == {"pld:x": ("pld", False), "pld:x+cost": ("pld", True)}
+    for bad in ("hf:x", "respec:"):
+        with pytest.raises(SpecstoreError, match="a variant is METHOD:NAME"):
+            drafter_labels([bad], "auto")
+
+
+def test_a_variants_options_go_over_its_methods():
+    from specstore.runtime.bench.runner import base_method, parse_options, variant_options
+
+    options = parse_options(["respec.max_nodes=8", "respec:nohead.head=off", "respec:nohead.max_nodes=4"])
+    assert options == {"respec": {"max_nodes": 8}, "respec:nohead": {"head": "off", "max_nodes": 4}}
+    assert variant_options(options, "respec") == variant_options(options, "respec+cost") == {"max_nodes": 8}
+    assert variant_options(options, "respec:nohead+cost") == {"max_nodes": 4, "head": "off"}
+    assert variant_options(options, "rest") == {} and base_method("respec:nohead+cost") == "respec"
 
 
 def test_online_corrections_follow_the_measured_steps():

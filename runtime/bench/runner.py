@@ -150,24 +150,41 @@ def _spread(tokens: int, steps: int) -> list[int]:
 
 COST_AWARE_MODES = ("auto", "on", "off", "both")
 COST_SUFFIX = "+cost"  # with --cost-aware both: the cost-aware variant's label
+VARIANT = ":"  # METHOD:NAME, a second run of METHOD with its own options (--option METHOD:NAME.KEY=VALUE)
+
+
+def base_method(label: str) -> str:
+    """The registered method of a label: ``respec:nohead+cost`` -> ``respec``."""
+    return label.removesuffix(COST_SUFFIX).partition(VARIANT)[0]
 
 
 def drafter_labels(methods: list[str], cost_aware: str) -> dict[str, tuple[str, bool]]:
     """Label -> (method, cost-aware?) in run order (auto/on/off: registry.uses_cost); ``both``
-    runs each method that supports it twice, as ``METHOD`` (fixed caps) and ``METHOD+cost``."""
+    runs each method that supports it twice, as ``METHOD`` (fixed caps) and ``METHOD+cost``.
+    A method given as ``METHOD:NAME`` runs under that label, as METHOD with the options of
+    ``--option METHOD:NAME.KEY=VALUE`` over METHOD's own: one method two ways, side by side."""
     if cost_aware not in COST_AWARE_MODES:
         raise SpecstoreError(f"--cost-aware must be one of {', '.join(COST_AWARE_MODES)}, got {cost_aware!r}")
-    aware = set(cost_aware_methods(methods))
+    aware = set(cost_aware_methods(base_method(m) for m in methods))
     labels: dict[str, tuple[str, bool]] = {}
     for m in methods:
+        base = base_method(m)
+        if VARIANT in m and (base in HF_METHODS or not m.partition(VARIANT)[2]):
+            raise SpecstoreError(f"method {m!r}: a variant is METHOD:NAME of a drafting method (e.g. respec:nohead)")
         if cost_aware != "both":
-            labels[m] = (m, uses_cost(m, cost_aware))
-        elif m not in aware:
-            labels[m] = (m, False)
+            labels[m] = (base, uses_cost(base, cost_aware))
+        elif base not in aware:
+            labels[m] = (base, False)
         else:
-            labels[m] = (m, False)
-            labels[m + COST_SUFFIX] = (m, True)
+            labels[m] = (base, False)
+            labels[m + COST_SUFFIX] = (base, True)
     return labels
+
+
+def variant_options(options: dict, label: str) -> dict:
+    """A label's drafter options: its method's, then its variant's over them."""
+    variant = label.removesuffix(COST_SUFFIX)
+    return {**options.get(base_method(label), {}), **(options.get(variant, {}) if variant != base_method(label) else {})}
 
 
 def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, temperature, seed, meta) -> Outcome:
@@ -200,18 +217,19 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     qs: list[Question] = load_questions(questions, limit=limit, skip=skip)
     if not qs:
         raise SpecstoreError(f"no questions selected from {questions}")
-    with_datastore = datastore_methods(methods)
+    bases = list(dict.fromkeys(base_method(m) for m in methods))
+    with_datastore = datastore_methods(bases)
     if with_datastore and datastore is None:
         raise SpecstoreError(f"methods {', '.join(with_datastore)} need --datastore")
     if with_datastore:  # a method the version cannot serve (dresd on a sparse one) fails before the model loads
         from specstore.runtime.store import Store
 
         record = (store if isinstance(store, Store) else Store(store)).resolve(datastore)
-        check_index(methods, record.manifest, f"{record.name}@{record.version}")
+        check_index(bases, record.manifest, f"{record.name}@{record.version}")
     lm = load_model(model, dtype=dtype, device=device)
     ds = None
     if with_datastore:
-        ds = Datastore.open(store, datastore, model_info=lm.info, dense=needs_dense(methods),
+        ds = Datastore.open(store, datastore, model_info=lm.info, dense=needs_dense(bases),
                             device=next(lm.model.parameters()).device)
     labels = drafter_labels(methods, cost_aware)
     if cost is None and any(aware for _, aware in labels.values()):
@@ -230,7 +248,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     # what they took in a code-ID run; BENCHMARKS.md, seventeenth session)
     watched = {label: copy.deepcopy(cost) for label, (m, aware) in labels.items()
                if not aware and m not in HF_METHODS} if cost is not None else {}
-    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=costs.get(label), **options.get(m, {})), label,
+    drafters = {label: TimedDrafter(make_drafter(m, datastore=ds, cost=costs.get(label), **variant_options(options, label)), label,
                                     watch=watched.get(label))
                 for label, (m, aware) in labels.items() if m not in HF_METHODS}
     methods = list(labels)
