@@ -109,6 +109,29 @@ def _build_parser() -> argparse.ArgumentParser:
                    "Only once that build has stopped")
     p.set_defaults(handler=_cmd_build, forwards_to="beam")
 
+    p = sub.add_parser(
+        "train-head",
+        help="train a draft head for ReSpec: the model's next token after the pending one, from its hidden state",
+        description="Run the model once over a corpus (any format build reads) and train a small network that "
+        "guesses, from the model's last hidden state and the token it just chose, the token it will choose next "
+        "(distillation from the model itself, so the corpus need not be the model's own text). ReSpec drafts the "
+        "head's guess as one more candidate where a head exists (--option respec.head=auto, the default, finds it in "
+        "the default place for the datastore's model; respec.head=PATH or =off). Writes one safetensors file and "
+        "prints how often the head's first guess matched the model on held-out documents.",
+    )
+    p.add_argument("--corpus", required=True, nargs="+", metavar="PATH", help="JSONL/text files or a source-code directory; .gz is read transparently")
+    p.add_argument("--format", default="auto", choices=["auto", "chat-jsonl", "instruct-jsonl", "text", "code-dir"], help="corpus format (default: detect per path)")
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-docs", type=int, default=None, metavar="N", help="use only the first N records of all corpora together")
+    p.add_argument("--max-doc-tokens", type=int, default=1024, metavar="N", help="skip chat/instruction records longer than N tokens; text is split into N-token chunks (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=2_000_000, metavar="N", help="training positions collected at most (default 2000000)")
+    p.add_argument("--epochs", type=int, default=6, help="passes over the positions (default 6)")
+    p.add_argument("--vocabulary", type=int, default=8192, metavar="N", help="tokens the head can guess: the N most frequent in the corpus (default 8192)")
+    p.add_argument("--holdout", type=float, default=0.05, help="share of the documents (the last ones) kept out to score the head (default 0.05)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the model's dtype for the forward (default auto)")
+    p.add_argument("--out", default=None, metavar="FILE", help="where to write the head (default: the cache's place for this model, where respec.head=auto looks)")
+    p.set_defaults(handler=_cmd_train_head)
+
     p = sub.add_parser("versions", help="list the versions of a datastore", description="List versions with tags, counts and creation time.")
     _add_store(p)
     p.add_argument("--name", required=True)
@@ -274,6 +297,12 @@ def _cmd_build(args: argparse.Namespace, extra: list[str]) -> int:
     from specstore.pipelines.build import run_from_args  # imports Beam only here
 
     return run_from_args(args, extra)
+
+
+def _cmd_train_head(args: argparse.Namespace, extra: list[str]) -> int:
+    from specstore.pipelines.draft_head import run_from_args
+
+    return run_from_args(args)
 
 
 def _cmd_versions(args: argparse.Namespace, extra: list[str]) -> int:

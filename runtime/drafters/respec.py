@@ -80,9 +80,13 @@ from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import VerifyResult
 
 MODEL_SOURCES = ("model",)  # drafts from these sources are always verified strictly
-SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3, "resync": 4}
+SOURCE_INDEX = {"context": 0, "suffix": 1, "dense": 2, "overlay": 3, "resync": 4, "head": 5}
 SCORE_EDGES = (0.75, 1.5, 3.0, 6.0)  # EMA score bins of the cost-aware signal
 MATCH_EDGES = (2, 4, 8, 16)  # bins of the context suffix a candidate continues (its ``match``; 16: a long copy)
+# a head guess's probability takes the match's place in the signal: bins at these edges, each
+# given as the match value of the same MATCH_EDGES bin
+HEAD_EDGES = (0.3, 0.5, 0.7, 0.9)
+HEAD_MATCH = (0, *MATCH_EDGES)
 SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
 FALLBACK_BUCKET = 1000  # cost-aware buckets of fallback drafts start here
 
@@ -116,6 +120,12 @@ class ReSpecConfig:
     # take, draft what the candidate says after that token (a one-token substitution, or a
     # deletion where the target's token is the candidate's next): the "resync" source
     resync: bool = True
+    # a draft head (runtime/draft_head.py) guessing the token after the pending one from the
+    # target's last hidden state, as one more pool source ("head"): "auto" the head trained for
+    # the datastore's model in its default place (draft_head.default_path) when there is one,
+    # "off" none, or a head file's path
+    head: str = "auto"
+    head_guesses: int = 1  # the head's likeliest tokens drafted per step, one candidate each
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -130,6 +140,8 @@ class ReSpecConfig:
             raise ValueError("max_candidates, max_nodes and draft_length must be >= 1")
         if self.context_length < 0:
             raise ValueError(f"context_length must be >= 0, got {self.context_length}")
+        if self.head_guesses < 0:
+            raise ValueError(f"head_guesses must be >= 0, got {self.head_guesses}")
         if self.cost_signal not in ("full", "source"):
             raise ValueError(f"cost_signal must be full or source, got {self.cost_signal!r}")
 
@@ -179,11 +191,14 @@ class ReSpecDrafter:
         self.num_retrieved_steps = 0  # steps whose tree came from qualifying candidates
         self.num_fallback_steps = 0
         self.resync: list[Candidate] = []  # the next step's resync candidates (observe)
+        self.head = load_head(self.config.head, datastore) if self.config.head_guesses else None
+        self.head_steps = self.head_accepted = 0  # steps that drafted a head guess; those that took one
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.scores, self.source_scores = {}, {}
         self.resync = []
         self.num_retrieved_steps = self.num_fallback_steps = 0
+        self.head_steps = self.head_accepted = 0
         self.overlay_use = OverlayUse()
         self.fallback.reset(prompt_ids)
 
@@ -228,6 +243,7 @@ class ReSpecDrafter:
         if self.triggers(state):
             candidates = self.pool.gather(state, min(max(cfg.draft_length, cfg.context_length), state.budget))
             candidates += self.resync
+            candidates += self.head_candidates(state)
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
@@ -264,6 +280,17 @@ class ReSpecDrafter:
         tree.node_data["bucket"] = FALLBACK_BUCKET + (np.zeros(len(tree), dtype=np.int64) if own is None else own)
         return tree
 
+    def head_candidates(self, state: DecodeState) -> list[Candidate]:
+        """The head's ``head_guesses`` likeliest tokens after the pending one, one candidate of
+        one token each (key ``("head", rank)``; its probability, binned by HEAD_EDGES, in the
+        match's place). None without a head or a hidden state."""
+        if self.head is None or state.last_hidden is None or not state.tokens:
+            return []
+        out = []
+        for rank, (token, p) in enumerate(self.head.guess(state.last_hidden, int(state.tokens[-1]), self.config.head_guesses)):
+            out.append(Candidate(("head", rank), [token], HEAD_MATCH[bisect.bisect_right(HEAD_EDGES, p)]))
+        return out
+
     def _add_signals(self, tree: DraftTree, chosen) -> None:
         """The cost-aware signal (drafters/cost_aware.py): per node, the source, EMA score and
         context match (``Candidate.match``, binned by MATCH_EDGES) of the best-scored candidate
@@ -292,8 +319,11 @@ class ReSpecDrafter:
 
     def stats(self) -> dict:
         """How this request was drafted: steps that retrieved, steps that fell back, and with what."""
-        return {"retrieved_steps": self.num_retrieved_steps, "fallback_steps": self.num_fallback_steps,
-                "fallback": getattr(self.fallback, "name", None)}
+        out = {"retrieved_steps": self.num_retrieved_steps, "fallback_steps": self.num_fallback_steps,
+               "fallback": getattr(self.fallback, "name", None)}
+        if self.head is not None:
+            out.update(head_steps=self.head_steps, head_accepted=self.head_accepted)
+        return out
 
     def observe(self, state: DecodeState, tree: DraftTree, result: VerifyResult) -> None:
         self.overlay_use.record(tree.node_data.get("overlay"), result.accepted_nodes)
@@ -304,6 +334,8 @@ class ReSpecDrafter:
             return
         accepted = set(result.accepted_nodes)
         best: dict[str, int] = {}
+        if self.head is not None and any(k[0] == "head" for k, nodes in zip(keys, tree.paths, strict=True) if nodes):
+            self.head_steps += 1
         for key, nodes in zip(keys, tree.paths, strict=True):
             if not nodes:  # cut by the node cap or the budget: it never reached the verifier
                 continue
@@ -312,6 +344,8 @@ class ReSpecDrafter:
                 count += 1
             best[key[0]] = max(best.get(key[0], 0), count)
             self.update(key, count)
+        if best.get("head"):
+            self.head_accepted += 1
         for source, count in best.items():  # after every key's own step: a new key's start is the old score
             self.update_source(source, count)
 
@@ -332,6 +366,22 @@ def resync_candidates(drafts, committed: list[int], bonus: int) -> list[Candidat
             seen.add(tuple(rest))
             out.append(Candidate(("resync", 0), rest))
     return out
+
+
+def load_head(head: str, datastore):
+    """The draft head ReSpecConfig.head names, checked against the datastore's model; None for
+    "off", or for "auto" where no head was trained for that model."""
+    from specstore.runtime.draft_head import DraftHead, default_path
+
+    if head in ("off", "none", ""):
+        return None
+    model = getattr(getattr(datastore, "manifest", None), "model", None)
+    if head == "auto":
+        if model is None:
+            return None
+        path = default_path(model.revision)
+        return DraftHead.load(path, expect=model) if path.is_file() else None
+    return DraftHead.load(head, expect=model)
 
 
 def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, overlay=None,

@@ -1,0 +1,170 @@
+"""A draft head: guesses the token after the pending one from the target's last hidden state.
+
+Every drafter here draws from retrieval, and in a third (code) to half (chat) of ReSpec's pool
+steps no source holds the token after the pending one (BENCHMARKS.md, twentieth session): the
+step then commits the bonus alone. The target cannot say that token without another forward,
+but its last hidden layer ``h_t`` (the state that chose the pending token ``x_{t+1}``) together
+with ``x_{t+1}`` itself says much of it. A draft head is a small network on the two:
+
+    z = h_t + W2 silu(W1 [h_t ; e(x_{t+1})] + b1) + b2,   p(x_{t+2}) = softmax(U z)
+
+with ``U`` the target's own output embedding rows of the head's vocabulary (the ``vocabulary``
+most frequent tokens of its training text) and ``e`` an input embedding over the same tokens
+(the target's rows at training start; tokens outside it get a zero row). Trained by
+distillation: at every position of a corpus the target is run once, and the head learns to say
+what the target says at ``t + 1`` (argmax) from ``h_t`` and the true ``x_{t+1}``
+(pipelines/draft_head.py, ``specstore train-head``). EAGLE's first draft step without its
+attention layer; Medusa's heads without ``x_{t+1}`` guessed a third fewer tokens here.
+
+A head is one safetensors file, self-contained (no reference to the model's tensors, so any
+drafter can load it from a path), whose metadata holds the target's fingerprint
+(``ModelInfo``: revision, tokenizer hash, hidden size) and how it was trained. Loading it for a
+datastore built with another model is refused with an error that names the field. Its default
+place is ``cache_dir()/heads/<model revision>.safetensors`` (``default_path``), where ReSpec's
+``head="auto"`` looks.
+
+``guess`` runs on the CPU in bf16 where the hardware has it (runtime/device.py), float32
+elsewhere, with packed weights (runtime/linear.py): ~0.3 ms a call on this project's 2-core CPU,
+about 2% of a plain bf16 step. The guess is a draft like any other: the target verifies it, so
+a wrong or damaged head costs speed, never output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specstore.runtime.errors import SpecstoreError
+
+FORMAT = "specstore-draft-head/1"
+TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "out.weight", "embed.weight", "vocab")
+
+
+def default_path(revision: str, root: Path | None = None) -> Path:
+    """Where ``specstore train-head`` writes a head for the model of ``revision`` by default."""
+    from specstore.runtime.models import cache_dir
+
+    return (root or cache_dir() / "heads") / f"{revision[:32]}.safetensors"
+
+
+class HeadNet(torch.nn.Module):
+    """The head's parameters: ``fc1`` [inner, 2H], ``fc2`` [H, inner], ``out`` [V', H] (no
+    bias), ``embed`` [V' + 1, H] (the last row, zero, for tokens outside the vocabulary)."""
+
+    def __init__(self, hidden: int, inner: int, vocab: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(2 * hidden, inner)
+        self.fc2 = torch.nn.Linear(inner, hidden)
+        self.out = torch.nn.Linear(hidden, vocab, bias=False)
+        self.embed = torch.nn.Embedding(vocab + 1, hidden)
+
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's vocabulary [N, V'] for hidden states [N, H] and the pending
+        tokens' embedding rows [N] (``DraftHead.rows``)."""
+        z = torch.cat([hidden, self.embed(rows)], dim=-1)
+        return self.out(hidden + self.fc2(torch.nn.functional.silu(self.fc1(z))))
+
+
+@dataclass(frozen=True, slots=True)
+class HeadInfo:
+    """What a head file says of itself: the target's fingerprint and how it was trained."""
+
+    model: dict  # ModelInfo fields
+    training: dict  # corpus, token counts, epochs, held-out top-1 agreement with the target
+
+
+class DraftHead:
+    """A loaded head: ``guess(hidden, pending, k)`` -> the ``k`` likeliest next tokens with their
+    probabilities under the head (over its vocabulary)."""
+
+    def __init__(self, net: HeadNet, vocab: np.ndarray, info: HeadInfo, vocab_size: int | None = None):
+        self.net = net.eval()
+        self.vocab = np.asarray(vocab, dtype=np.int64)
+        self.info = info
+        size = int(vocab_size or info.model.get("vocab_size") or (int(self.vocab.max()) + 1 if len(self.vocab) else 1))
+        self.rows = np.full(max(size, int(self.vocab.max()) + 1 if len(self.vocab) else 1), len(self.vocab), dtype=np.int64)
+        self.rows[self.vocab] = np.arange(len(self.vocab))
+        self.dtype = next(net.parameters()).dtype
+
+    @classmethod
+    def load(cls, path: str | Path, *, expect=None, dtype: torch.dtype | None = None) -> DraftHead:
+        """Read a head file. ``expect``: the target's ModelInfo (or a dict of its fields): a
+        head trained for another model or tokenizer is refused, naming the field. ``dtype``:
+        compute dtype (default: bf16 where the CPU has it natively, else float32)."""
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise SpecstoreError(f"draft head {path} does not exist (train one with `specstore train-head`)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                missing = [n for n in TENSORS if n not in f.keys()]
+                if meta.get("format") != FORMAT or missing:
+                    raise SpecstoreError(f"{path} is not a specstore draft head ({FORMAT}; missing {missing or 'format'})")
+                tensors = {n: f.get_tensor(n) for n in TENSORS}
+                info = HeadInfo(json.loads(meta.get("model", "{}")), json.loads(meta.get("training", "{}")))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise SpecstoreError(f"cannot read draft head {path}: {exc}") from exc
+        if expect is not None:
+            check_model(info, expect, path)
+        vocab = tensors.pop("vocab").numpy()
+        hidden, inner, size = tensors["fc2.weight"].shape[0], tensors["fc1.weight"].shape[0], len(vocab)
+        if (tensors["fc1.weight"].shape[1] != 2 * hidden or tensors["out.weight"].shape != (size, hidden)
+                or tensors["embed.weight"].shape != (size + 1, hidden)):
+            raise SpecstoreError(f"draft head {path} has inconsistent shapes")
+        net = HeadNet(hidden, inner, size)
+        net.load_state_dict(tensors)
+        return cls(_for_inference(net, dtype), vocab, info)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the head (float32 tensors; atomic: a temporary file renamed into place)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().float().contiguous() for k, v in self.net.state_dict().items()}
+        tensors["vocab"] = torch.from_numpy(self.vocab.copy())
+        meta = {"format": FORMAT, "model": json.dumps(self.info.model), "training": json.dumps(self.info.training)}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @torch.inference_mode()
+    def guess(self, hidden: torch.Tensor, pending: int, k: int = 1) -> list[tuple[int, float]]:
+        """The ``k`` likeliest tokens after ``pending`` (best first) with the head's probability,
+        from the target's last hidden state ``hidden`` [H] (the one that chose ``pending``)."""
+        h = hidden.detach().reshape(1, -1).to(device="cpu", dtype=self.dtype)
+        row = self.rows[pending] if 0 <= pending < len(self.rows) else len(self.vocab)
+        logits = self.net(h, torch.tensor([row])).float()[0]
+        top = torch.softmax(logits, 0).topk(min(k, len(self.vocab)))
+        return [(int(self.vocab[i]), float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+
+
+def check_model(info: HeadInfo, expect, path) -> None:
+    """Refuse a head trained for another target: the first differing fingerprint field."""
+    want = expect.model_dump() if hasattr(expect, "model_dump") else dict(expect)
+    for name in ("revision", "tokenizer_hash", "hidden_size", "vocab_size"):
+        if name in want and name in info.model and info.model[name] != want[name]:
+            raise SpecstoreError(f"draft head {path} was trained for another model: {name} is {info.model[name]!r}, "
+                                 f"the target's is {want[name]!r} (train one for it with `specstore train-head`)")
+
+
+def _for_inference(net: HeadNet, dtype: torch.dtype | None) -> HeadNet:
+    """The net in its compute dtype, its linears packed for the CPU (runtime/linear.py)."""
+    if dtype is None:
+        from specstore.runtime.device import resolve_dtype
+
+        dtype = resolve_dtype("auto", torch.device("cpu"))
+    net = net.to(dtype).eval()
+    for p in net.parameters():
+        p.requires_grad_(False)
+    from specstore.runtime.linear import use_packed_linears
+
+    use_packed_linears(net)
+    return net

@@ -1,0 +1,131 @@
+"""The draft head (runtime/draft_head.py, pipelines/draft_head.py) and ReSpec's head source."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specstore.pipelines.draft_head import HeadTraining, collect, corpus_documents, train
+from specstore.runtime.api import generate
+from specstore.runtime.datastore import Datastore
+from specstore.runtime.draft_head import DraftHead, default_path
+from specstore.runtime.drafters.registry import make_drafter
+from specstore.runtime.errors import SpecstoreError
+from tests.datastore_helpers import TEXTS
+
+
+@pytest.fixture(scope="module")
+def head_setup(own_output_store, tmp_path_factory):
+    """A head trained on the tiny model's own answers (the ``own`` datastore's documents), with
+    those positions; ``(store, loaded, ar, head, data, path)``."""
+    store, loaded, ar = own_output_store
+    docs = [np.asarray(loaded.tokenizer(p, add_special_tokens=False)["input_ids"] + ids) for p, ids in ar.items()]
+    docs += [np.asarray(loaded.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in TEXTS]
+    data = collect(loaded.model, docs, max_tokens=10_000)
+    head = train(loaded.model, loaded.info, data, HeadTraining(epochs=60, batch=16, lr=1e-2, holdout=0.0, vocabulary=256))
+    path = head.save(tmp_path_factory.mktemp("head") / "head.safetensors")
+    return store, loaded, ar, head, data, path
+
+
+def _agreement(head: DraftHead, data) -> float:
+    right = [head.guess(h, int(p))[0][0] == int(t) for h, p, t in zip(data["hidden"], data["pending"], data["target"], strict=True)]
+    return float(np.mean(right))
+
+
+def test_collect_pairs_each_hidden_state_with_the_next_token_and_the_targets_choice_after_it(own_output_store):
+    _, loaded, ar = own_output_store
+    ids = np.asarray(loaded.tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"] + next(iter(ar.values())))
+    data = collect(loaded.model, [ids], max_tokens=100)
+    with torch.no_grad():
+        out = loaded.model(torch.as_tensor(ids[None]), output_hidden_states=True)
+    n = len(ids) - 2
+    assert len(data["target"]) == n and (data["doc"] == 0).all()
+    assert torch.equal(data["pending"], torch.as_tensor(ids[1 : n + 1]))
+    assert torch.equal(data["target"], out.logits[0, 1 : n + 1].argmax(-1))
+    torch.testing.assert_close(data["hidden"].float(), out.hidden_states[-1][0, :n].float())
+    assert len(collect(loaded.model, [ids, ids], max_tokens=5)["target"]) == 5
+
+
+def test_a_trained_head_says_what_the_target_says_next(head_setup):
+    """On its training text the head learns the target's next choice, far above the untrained
+    head (the target's own logits at ``t``: right only where its choice repeats)."""
+    _, loaded, _, head, data, _ = head_setup
+    untrained = train(loaded.model, loaded.info, data, HeadTraining(epochs=1, batch=10_000, lr=1e-9, holdout=0.0))
+    trained, before = _agreement(head, data), _agreement(untrained, data)
+    assert trained > 0.8 and trained > before + 0.3, (trained, before)
+    assert head.info.training["positions"] == len(data["target"]) and head.info.model["revision"] == loaded.info.revision
+
+
+def test_a_saved_head_loads_with_the_same_guesses_and_refuses_another_model(head_setup, tmp_path):
+    _, loaded, _, head, data, path = head_setup
+    again = DraftHead.load(path, expect=loaded.info, dtype=torch.float32)
+    for h, p in list(zip(data["hidden"], data["pending"], strict=True))[:20]:
+        a, b = head.guess(h, int(p), 3), again.guess(h, int(p), 3)
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert np.allclose([q for _, q in a], [q for _, q in b], atol=1e-5)
+    assert again.info == head.info
+    other = loaded.info.model_copy(update={"revision": "0" * 64})
+    with pytest.raises(SpecstoreError, match="revision"):
+        DraftHead.load(path, expect=other)
+    with pytest.raises(SpecstoreError, match="does not exist"):
+        DraftHead.load(tmp_path / "none.safetensors")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(SpecstoreError, match="cannot read draft head"):
+        DraftHead.load(broken)
+    # a token outside the head's vocabulary (or the model's) is guessed from the hidden state alone
+    assert len(again.guess(data["hidden"][0], 10**9, 2)) == 2
+
+
+@pytest.mark.parametrize("options", [{}, {"entropy_threshold": math.inf, "max_candidates": 8},
+                                     {"head_guesses": 2, "entropy_threshold": math.inf, "max_candidates": 8}])
+def test_respec_with_a_head_is_identical_to_ar_and_takes_its_guesses(head_setup, options):
+    store, loaded, ar, _, _, path = head_setup
+    ds = Datastore.open(store, "own", loaded.info)
+    drafter = make_drafter("respec", ds, head=str(path), **options)
+    assert drafter.head is not None
+    steps = taken = 0
+    for prompt, expected in ar.items():
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected))
+        assert result.token_ids == expected
+        steps, taken = steps + drafter.stats()["head_steps"], taken + drafter.stats()["head_accepted"]
+    if options:  # the tiny model's entropy is high: only an infinite threshold always retrieves
+        assert steps > 0 and taken > 0
+        assert any(k[0] == "head" for k in drafter.scores)
+
+
+def test_respec_finds_the_head_in_its_default_place_and_can_be_told_not_to(head_setup, tmp_path, monkeypatch):
+    store, loaded, _, head, _, _ = head_setup
+    monkeypatch.setenv("SPECSTORE_CACHE", str(tmp_path))
+    ds = Datastore.open(store, "own", loaded.info)
+    assert make_drafter("respec", ds).head is None  # none trained for this model here yet
+    head.save(default_path(loaded.info.revision))
+    assert make_drafter("respec", ds).head is not None
+    assert make_drafter("respec", ds, head="off").head is None
+    assert make_drafter("respec", ds, head_guesses=0).head is None
+    with pytest.raises(SpecstoreError, match="does not exist"):
+        make_drafter("respec", ds, head=str(tmp_path / "missing.safetensors"))
+
+
+def test_train_head_command_writes_a_head_from_a_corpus(own_output_store, tmp_path, capsys):
+    from specstore.runtime.cli import main
+
+    _, loaded, ar = own_output_store
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"instruction": p, "output": loaded.tokenizer.decode(ids)}) + "\n"
+                              for p, ids in ar.items()) * 4)
+    docs = list(corpus_documents([str(corpus)], loaded.tokenizer, max_docs=5))
+    assert len(docs) == 5 and all(d.dtype == np.int32 and len(d) > 3 for d in docs)
+    out = tmp_path / "h.safetensors"
+    assert main(["train-head", "--model", str(loaded.path), "--corpus", str(corpus), "--out", str(out),
+                 "--epochs", "2", "--dtype", "float32", "--holdout", "0.25"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out agreement" in printed and str(out) in printed
+    head = DraftHead.load(out, expect=loaded.info)
+    assert head.info.training["held_out_positions"] > 0 and 0.0 <= head.info.training["agreement"] <= 1.0
+    with pytest.raises(SpecstoreError, match="holdout"):
+        HeadTraining(holdout=1.0)
