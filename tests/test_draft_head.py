@@ -62,7 +62,7 @@ def test_a_trained_head_says_what_the_target_says_next(head_setup):
 
 def test_a_saved_head_loads_with_the_same_guesses_and_refuses_another_model(head_setup, tmp_path):
     _, loaded, _, head, data, path = head_setup
-    again = DraftHead.load(path, expect=loaded.info, dtype=torch.float32)
+    again = DraftHead.load(path, expect=loaded.info)
     for h, p in list(zip(data["hidden"], data["pending"], strict=True))[:20]:
         a, b = head.guess(h, int(p), 3), again.guess(h, int(p), 3)
         assert [t for t, _ in a] == [t for t, _ in b]
@@ -129,3 +129,43 @@ def test_train_head_command_writes_a_head_from_a_corpus(own_output_store, tmp_pa
     assert head.info.training["held_out_positions"] > 0 and 0.0 <= head.info.training["agreement"] <= 1.0
     with pytest.raises(SpecstoreError, match="holdout"):
         HeadTraining(holdout=1.0)
+
+
+@pytest.mark.model
+def test_default_model_respec_with_a_head_is_identical_to_ar_float32(tmp_path):
+    """The real default model in float32: a head trained on a few records, respec drafting its
+    guesses (always retrieving) decodes exactly what ar decodes, and the target takes guesses."""
+    from specstore.runtime.models import load_model
+    from specstore.runtime.store import Store
+    from tests.datastore_helpers import CODE_RECORDS, model_hidden, write_datastore
+
+    loaded = load_model(None, dtype="float32", device="cpu")
+    prompts = [r["instruction"] for r in CODE_RECORDS]
+    ar = {p: generate(loaded.model, loaded.tokenizer, p, "ar", max_new_tokens=40) for p in prompts}
+    docs = [r.prompt_ids + r.token_ids for r in ar.values()]
+    store = Store(tmp_path / "store", create=True)
+    write_datastore(store, "own", docs, model_hidden(loaded.model, docs), loaded.info)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CODE_RECORDS))
+    data = collect(loaded.model, [*map(np.asarray, docs), *corpus_documents([str(corpus)], loaded.tokenizer)], max_tokens=10_000)
+    path = train(loaded.model, loaded.info, data, HeadTraining(epochs=20, batch=32, holdout=0.0)).save(tmp_path / "h.safetensors")
+    drafter = make_drafter("respec", Datastore.open(store, "own", loaded.info), head=str(path),
+                           entropy_threshold=math.inf, max_candidates=8)
+    taken = 0
+    for prompt, expected in ar.items():
+        result = generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=40)
+        assert result.token_ids == expected.token_ids, prompt
+        taken += drafter.stats()["head_accepted"]
+    assert taken > 0
+
+
+def test_a_head_file_is_loaded_once_until_it_changes(head_setup, tmp_path):
+    _, loaded, _, head, _, path = head_setup
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(path.read_bytes())
+    first = DraftHead.cached(copy, expect=loaded.info)
+    assert DraftHead.cached(copy, expect=loaded.info) is first
+    with pytest.raises(SpecstoreError, match="revision"):  # the model check is made on every call
+        DraftHead.cached(copy, expect=loaded.info.model_copy(update={"revision": "0" * 64}))
+    head.save(copy)  # rewritten: read again
+    assert DraftHead.cached(copy, expect=loaded.info) is not first

@@ -125,7 +125,7 @@ class ReSpecConfig:
     # the datastore's model in its default place (draft_head.default_path) when there is one,
     # "off" none, or a head file's path
     head: str = "auto"
-    head_guesses: int = 1  # the head's likeliest tokens drafted per step, one candidate each
+    head_guesses: int = 2  # the head's likeliest tokens drafted per step, one candidate each (2: tune splits, BENCHMARKS.md)
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -380,8 +380,8 @@ def load_head(head: str, datastore):
         if model is None:
             return None
         path = default_path(model.revision)
-        return DraftHead.load(path, expect=model) if path.is_file() else None
-    return DraftHead.load(head, expect=model)
+        return DraftHead.cached(path, expect=model) if path.is_file() else None
+    return DraftHead.cached(head, expect=model)
 
 
 def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, overlay=None,

@@ -21,6 +21,8 @@ CONFIG_FLAGS = {
     "score_threshold": "--score-threshold",
     "relaxed_top_k": "--relaxed-top-k",
     "relaxed_ratio": "--relaxed-ratio",
+    "head": "--head",
+    "head_guesses": "--head-guesses",
 }
 OTHER_FLAGS = {"relaxed": "--relaxed", "draft_model": "--draft-model", "draft_tokens": "--draft-tokens"}
 DEFAULT_DRAFT_TOKENS = 4
@@ -36,6 +38,10 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
                    help="a prompt-lookup candidate that continues a 4-token match of the context drafts N tokens "
                    "whatever its score, as prompt lookup does (default 16; 0 = the score rule for it too)")
     g.add_argument("--score-threshold", type=float, default=None, metavar="TOKENS", help="draft only candidates whose EMA of accepted tokens reaches this (default 0.5)")
+    g.add_argument("--head", default=None, metavar="auto|off|FILE",
+                   help="draft head (specstore train-head) whose guesses of the next token join the candidates: auto (default) "
+                   "the one trained for the datastore's model, if any; off; or a head file")
+    g.add_argument("--head-guesses", type=int, default=None, metavar="N", help="the head's likeliest tokens drafted per step (default 2)")
     g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
     g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K (default 3)")
     g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's (default 0.3)")
