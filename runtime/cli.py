@@ -126,7 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-doc-tokens", type=int, default=1024, metavar="N", help="skip chat/instruction records longer than N tokens; text is split into N-token chunks (default 1024)")
     p.add_argument("--max-tokens", type=int, default=2_000_000, metavar="N", help="training positions collected at most (default 2000000)")
     p.add_argument("--epochs", type=int, default=6, help="passes over the positions (default 6)")
-    p.add_argument("--vocabulary", type=int, default=8192, metavar="N", help="tokens the head can guess: the N most frequent in the corpus (default 8192)")
+    p.add_argument("--vocabulary", type=int, default=4096, metavar="N", help="tokens the head can guess: the N most frequent in the corpus (default 4096)")
     p.add_argument("--holdout", type=float, default=0.05, help="share of the documents (the last ones) kept out to score the head (default 0.05)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the model's dtype for the forward (default auto)")
     p.add_argument("--out", default=None, metavar="FILE", help="where to write the head (default: the cache's place for this model, where respec.head=auto looks)")

@@ -51,6 +51,11 @@ Given the engine's served overlay, it is one more source of the pool (``"overlay
 own EMA scores like every key); nodes of overlay candidates are marked ``node_data["overlay"]``
 and tallied in ``overlay_use``.
 
+Given a draft head (runtime/draft_head.py; ``head="auto"`` finds the one trained for the
+datastore's model, if any), the head's ``head_guesses`` likeliest tokens after the pending one
+join the pool as one-token ``("head", rank)`` candidates in the steps that retrieve; their
+probability takes the context match's place in the cost-aware signal.
+
 Cost-aware sizing (drafters/cost_aware.py, on with a cost model): each node's signal is its
 best candidate's source, EMA score and context match, and how many chosen candidates pass
 through it (``cost_signal="source"``: source and score only); the registry then widens the proposal (every candidate,
