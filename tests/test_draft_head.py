@@ -129,6 +129,8 @@ def test_train_head_command_writes_a_head_from_a_corpus(own_output_store, tmp_pa
     assert head.info.training["held_out_positions"] > 0 and 0.0 <= head.info.training["agreement"] <= 1.0
     with pytest.raises(SpecstoreError, match="holdout"):
         HeadTraining(holdout=1.0)
+    assert main(["train-head", "--model", str(loaded.path), "--corpus", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
 
 
 @pytest.mark.model
