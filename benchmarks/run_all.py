@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def train_head(cli: list[str], folder: Path, chat_ood: Path, tokens: int, out: P
     with gzip.open(DATA / "codealpaca" / "code_alpaca_2k.jsonl.gz", "rt") as handle:
         code = [line for i, line in zip(range(1900), handle, strict=False)]
     chat = chat_ood.read_text().splitlines(keepends=True)
-    mixed = [row for pair in zip(code, chat + [""] * len(code), strict=False) for row in pair if row]
+    mixed = [row for pair in itertools.zip_longest(code, chat, fillvalue="") for row in pair if row]
     corpus = folder / "head_corpus.jsonl"
     corpus.write_text("".join(mixed))
     run([*cli, "train-head", "--corpus", str(corpus), "--max-tokens", str(tokens)], out / "train_head.log")

@@ -93,9 +93,9 @@ def collect(model, documents: Iterable[np.ndarray], *, max_tokens: int, progress
     hidden, pending, target, doc = [], [], [], []
     n = 0
     for i, ids in enumerate(documents):
-        if len(ids) < 3 or n >= max_tokens:
-            if n >= max_tokens:
-                break
+        if n >= max_tokens:
+            break
+        if len(ids) < 3:
             continue
         x = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=device)[None]
         logits, h, _ = forward_with_hidden(model, input_ids=x, use_cache=False)
@@ -120,7 +120,7 @@ def train(model, info, data: dict[str, torch.Tensor], config: HeadTraining | Non
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     docs = data["doc"]
-    cut = int(math.floor(float(docs.max()) * (1.0 - cfg.holdout))) if cfg.holdout > 0 else int(docs.max()) + 1
+    cut = int(math.floor(float(docs.max()) * (1.0 - cfg.holdout)))
     held = docs >= cut if cfg.holdout > 0 and cut > 0 else torch.zeros_like(docs, dtype=torch.bool)
     train_idx, held_idx = torch.nonzero(~held)[:, 0], torch.nonzero(held)[:, 0]
     if len(train_idx) == 0:

@@ -57,6 +57,13 @@ def _add_cost_options(p: argparse.ArgumentParser, both: str | None = None, onlin
                    "trees depend on the text alone (reproducible)")
 
 
+def _add_corpus(p: argparse.ArgumentParser) -> None:
+    """The corpus and model options of the commands that read corpora (build, train-head)."""
+    p.add_argument("--corpus", required=True, nargs="+", metavar="PATH", help="JSONL/text files or a source-code directory; .gz is read transparently")
+    p.add_argument("--format", default="auto", choices=["auto", "chat-jsonl", "instruct-jsonl", "text", "code-dir"], help="corpus format (default: detect per path)")
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specstore",
@@ -78,9 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_store(p)
     p.add_argument("--name", required=True, help="datastore name (one per domain), e.g. code or chat")
-    p.add_argument("--corpus", required=True, nargs="+", metavar="PATH", help="JSONL/text files or a source-code directory; .gz is read transparently")
-    p.add_argument("--format", default="auto", choices=["auto", "chat-jsonl", "instruct-jsonl", "text", "code-dir"], help="corpus format (default: detect per path)")
-    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    _add_corpus(p)
     p.add_argument("--regenerate", action="store_true", help="have the model write the responses itself (in-domain datastore)")
     p.add_argument("--max-docs", type=int, default=None, metavar="N", help="use only the first N records (quick builds)")
     p.add_argument("--max-doc-tokens", type=int, default=2048, metavar="N", help="reject chat/instruction records longer than N tokens; text and code are split into N-token chunks (default 2048)")
@@ -119,9 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "the default place for the datastore's model; respec.head=PATH or =off). Writes one safetensors file and "
         "prints how often the head's first guess matched the model on held-out documents.",
     )
-    p.add_argument("--corpus", required=True, nargs="+", metavar="PATH", help="JSONL/text files or a source-code directory; .gz is read transparently")
-    p.add_argument("--format", default="auto", choices=["auto", "chat-jsonl", "instruct-jsonl", "text", "code-dir"], help="corpus format (default: detect per path)")
-    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    _add_corpus(p)
     p.add_argument("--max-docs", type=int, default=None, metavar="N", help="use only the first N records of all corpora together")
     p.add_argument("--max-doc-tokens", type=int, default=1024, metavar="N", help="skip chat/instruction records longer than N tokens; text is split into N-token chunks (default 1024)")
     p.add_argument("--max-tokens", type=int, default=2_000_000, metavar="N", help="training positions collected at most (default 2000000)")

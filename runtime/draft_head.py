@@ -24,8 +24,8 @@ place is ``cache_dir()/heads/<model revision>.safetensors`` (``default_path``), 
 ``head="auto"`` looks.
 
 ``guess`` runs on the CPU in bf16 where the hardware has it (runtime/device.py), float32
-elsewhere, with packed weights (runtime/linear.py): ~0.3 ms a call on this project's 2-core CPU,
-about 2% of a plain bf16 step. The guess is a draft like any other: the target verifies it, so
+elsewhere, with packed weights (runtime/linear.py): on this project's 2-core CPU ~0.3 ms a call on
+warm caches and 0.4-0.7 ms right after a verification, 2-4% of a plain bf16 step. The guess is a draft like any other: the target verifies it, so
 a wrong or damaged head costs speed, never output.
 """
 
@@ -76,7 +76,7 @@ class HeadInfo:
     """What a head file says of itself: the target's fingerprint and how it was trained."""
 
     model: dict  # ModelInfo fields
-    training: dict  # corpus, token counts, epochs, held-out top-1 agreement with the target
+    training: dict  # positions, documents, vocabulary, width, epochs, held-out top-1 agreement with the target
 
 
 class DraftHead:

@@ -183,8 +183,7 @@ def drafter_labels(methods: list[str], cost_aware: str) -> dict[str, tuple[str, 
 
 def variant_options(options: dict, label: str) -> dict:
     """A label's drafter options: its method's, then its variant's over them."""
-    variant = label.removesuffix(COST_SUFFIX)
-    return {**options.get(base_method(label), {}), **(options.get(variant, {}) if variant != base_method(label) else {})}
+    return {**options.get(base_method(label), {}), **options.get(label.removesuffix(COST_SUFFIX), {})}
 
 
 def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, temperature, seed, meta) -> Outcome:

@@ -338,9 +338,7 @@ class ReSpecDrafter:
         if not keys:
             return
         accepted = set(result.accepted_nodes)
-        best: dict[str, int] = {}
-        if self.head is not None and any(k[0] == "head" for k, nodes in zip(keys, tree.paths, strict=True) if nodes):
-            self.head_steps += 1
+        best: dict[str, int] = {}  # per source that reached the verifier, its best candidate's accepted tokens
         for key, nodes in zip(keys, tree.paths, strict=True):
             if not nodes:  # cut by the node cap or the budget: it never reached the verifier
                 continue
@@ -349,8 +347,9 @@ class ReSpecDrafter:
                 count += 1
             best[key[0]] = max(best.get(key[0], 0), count)
             self.update(key, count)
-        if best.get("head"):
-            self.head_accepted += 1
+        if "head" in best:
+            self.head_steps += 1
+            self.head_accepted += best["head"] > 0
         for source, count in best.items():  # after every key's own step: a new key's start is the old score
             self.update_source(source, count)
 
