@@ -180,12 +180,16 @@ def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
     assert mat[("rest", '{"max_nodes": 64}')] == pytest.approx(result.methods["rest"].mat, abs=1e-12)
     assert mat[("respec", '{"max_candidates": 3}')] == pytest.approx(result.methods["respec"].mat, abs=1e-12)
     assert all(r["num_prompts"] == len(PROMPTS) * 2 and r["drafted_per_step"] >= 0 for r in rows)
+    assert all(r["drafting_ms_per_step"] > 0 for r in rows)  # timed in the replay
     shapes = {json.dumps(r["options"]): r["drafted_per_step"] for r in rows if r["method"] == "rest"}
     assert shapes['{"max_nodes": 4}'] <= 4 < shapes['{"max_nodes": 64}']  # the swept option reached the drafter
     code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
                  "--methods", "pld", "--sweep", "pld.num_draft_tokens=2,4"])
     table = capsys.readouterr().out
-    assert code == 0 and table.count("| pld |") == 2 and "predicted speedup vs ar" in table
+    assert code == 0 and table.count("| pld |") == 2 and "predicted speedup vs ar" in table and "drafting ms per step" in table
+    code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
+                 "--methods", "pld", "--drafting-ms", "0.25", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)[0]["drafting_ms_per_step"] == pytest.approx(0.25)
     # cost-aware, with the cost model the bench stored: the bench's +cost MAT again
     code = main(["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
                  "--methods", "pld,rest,dresd,respec", "--model", str(model), "--cost-aware", "on", "--json"])

@@ -326,9 +326,11 @@ def run_simulate_command(args) -> int:
             sims = [r.stats for r in reps]
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
             drafted = sum(s.num_drafted for s in sims)
+            drafting = sum(s.drafting_s for s in sims) if fixed is None else fixed * steps
             group.append({"method": m, "options": opts, "cost_aware": with_cost is not None,
                           "mat": tokens / steps if steps else 0.0,
                           "drafted_per_step": drafted / max(steps - len(sims), 1),
+                          "drafting_ms_per_step": 1e3 * drafting / steps if steps else 0.0,
                           "predicted_speedup": predicted_speedup(reps, price, ar_price, fixed), "num_prompts": len(sims),
                           "mat_by_category": mat_by_category(sims, categories)})
         group.sort(key=lambda r: -(r["predicted_speedup"] or 0.0))  # a sweep: best predicted shape first
@@ -338,12 +340,12 @@ def run_simulate_command(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print("| method | options | cost-aware | MAT | drafted tokens per step | predicted speedup vs ar | rank |\n"
-              "|---|---|---|---|---|---|---|")
+        print("| method | options | cost-aware | MAT | drafted tokens per step | drafting ms per step | predicted speedup vs ar | rank |\n"
+              "|---|---|---|---|---|---|---|---|")
         for r in rows:
             pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
             print(f"| {r['method']} | {json.dumps(r['options'])} | {'on' if r['cost_aware'] else 'off'} | {r['mat']:.3f} "
-                  f"| {r['drafted_per_step']:.1f} | {pred} | {r['rank']} |")
+                  f"| {r['drafted_per_step']:.1f} | {r['drafting_ms_per_step']:.2f} | {pred} | {r['rank']} |")
         if getattr(args, "by_category", False):
             cats = list(dict.fromkeys(categories))
             print("\n| method | options | " + " | ".join(cats) + " |\n|---|---|" + "---|" * len(cats))
