@@ -17,6 +17,19 @@
 #define ADD_LATENCY 3.0
 #define N 100000000LL
 
+/* cycles per dot product, 12 independent accumulators ``acc`` updated N / 10 times each */
+#define TIMED_DP(out, acc, dp, wreg)                                                    \
+    do {                                                                                \
+        uint64_t start = __rdtsc();                                                     \
+        for (long long i = 0; i < N / 10; i++) {                                        \
+            _Pragma("GCC unroll 12") for (int r = 0; r < 12; r++) {                     \
+                acc[r] = dp(acc[r], wreg, wreg);                                        \
+                __asm__ volatile("" : "+v"(acc[r]));                                    \
+            }                                                                           \
+        }                                                                               \
+        out = (double)(__rdtsc() - start) / (N / 10 * 12) / tsc_per_cycle;              \
+    } while (0)
+
 int main(void) {
     __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-9f);
     uint64_t t0 = __rdtsc();
@@ -31,24 +44,9 @@ int main(void) {
     for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(0.001f * i), c[i] = _mm256_set1_ps(0.001f * i);
     __m512bh w = (__m512bh)_mm512_set1_epi32(0x3f803f80);
     __m256bh w2 = (__m256bh)_mm256_set1_epi32(0x3f803f80);
-    t0 = __rdtsc();
-    for (long long i = 0; i < N / 10; i++) {
-#pragma GCC unroll 12
-        for (int r = 0; r < 12; r++) {
-            a[r] = _mm512_dpbf16_ps(a[r], w, w);
-            __asm__ volatile("" : "+v"(a[r]));
-        }
-    }
-    double zmm = (double)(__rdtsc() - t0) / (N / 10 * 12) / tsc_per_cycle;
-    t0 = __rdtsc();
-    for (long long i = 0; i < N / 10; i++) {
-#pragma GCC unroll 12
-        for (int r = 0; r < 12; r++) {
-            c[r] = _mm256_dpbf16_ps(c[r], w2, w2);
-            __asm__ volatile("" : "+v"(c[r]));
-        }
-    }
-    double ymm = (double)(__rdtsc() - t0) / (N / 10 * 12) / tsc_per_cycle;
+    double zmm, ymm;
+    TIMED_DP(zmm, a, _mm512_dpbf16_ps, w);
+    TIMED_DP(ymm, c, _mm256_dpbf16_ps, w2);
     float sink = _mm512_reduce_add_ps(x);
     for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_ps(a[i]) + c[i][0];
     printf("time-stamp ticks per core cycle: %.3f\n", tsc_per_cycle);
