@@ -87,8 +87,9 @@ def train_head(cli: list[str], folder: Path, chat_ood: Path, tokens: int, out: P
     from specstore.runtime.models import folder_model_info
 
     _, info = folder_model_info(None)
-    if default_path(info.revision).is_file():
-        print(f"draft head: reusing {default_path(info.revision)}")
+    trained = default_path(info.revision)
+    if trained.is_file():
+        print(f"draft head: reusing {trained}")
         return
     with gzip.open(DATA / "codealpaca" / "code_alpaca_2k.jsonl.gz", "rt") as handle:
         code = [line for i, line in zip(range(1900), handle, strict=False)]

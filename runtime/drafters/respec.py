@@ -288,7 +288,7 @@ class ReSpecDrafter:
     def head_candidates(self, state: DecodeState) -> list[Candidate]:
         """The head's ``head_guesses`` likeliest tokens after the pending one, one candidate of
         one token each (key ``("head", rank)``; its probability, binned by HEAD_EDGES, in the
-        match's place). None without a head or a hidden state."""
+        match's place). None at all without a head or a hidden state."""
         if self.head is None or state.last_hidden is None or not state.tokens:
             return []
         out = []
