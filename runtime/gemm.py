@@ -39,6 +39,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.specstore_sa_longest.restype = i64
     lib.specstore_context_matches.argtypes = [p, i64, i64, i64, i64, p, p, p]
     lib.specstore_context_matches.restype = i64
+    lib.specstore_move_rows.argtypes = [p, i64, i64, i64, i64, i64, p, i64]
+    lib.specstore_move_rows.restype = None
     lib.rotary = bool(lib.specstore_gemm_features() & 16)
     if lib.rotary:
         lib.specstore_rotary_bf16.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p]
@@ -272,6 +275,32 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if code != 0:
         raise ValueError(f"small_gemm: attention refused its shapes ({code})")
     return out
+
+
+def move_rows(buffers: list[torch.Tensor], start: int, rows: list[int]) -> bool:
+    """In each of ``buffers`` (contiguous CPU tensors [..., heads, capacity, dim] of one shape and
+    dtype: a cache's key and value buffers), rows ``start + rows[i]`` to ``start + i`` along
+    the capacity dim, in one kernel call (specstore_move_rows); ``rows`` increasing with
+    ``rows[i] >= i``. False, with nothing moved, where the kernel is missing or the buffers are
+    not all alike (the caller moves them with torch)."""
+    lib = _lib or library()
+    if lib is None or not buffers or any(r < i for i, r in enumerate(rows)) or any(b <= a for a, b in pairwise(rows)):
+        return False
+    first = buffers[0]
+    shape, dtype = first.shape, first.dtype
+    if first.dim() < 2:
+        return False
+    for b in buffers:  # properties that cost ~0.1 us each (device.type costs several times more)
+        if not (b.is_cpu and b.dtype == dtype and b.shape == shape and b.is_contiguous()):
+            return False
+    if start < 0 or start + (rows[-1] if rows else 0) >= shape[-2]:
+        return False
+    heads = first.numel() // (shape[-2] * shape[-1]) if shape[-2] * shape[-1] else 0
+    row_bytes = shape[-1] * first.element_size()
+    ptrs = (ctypes.c_void_p * len(buffers))(*[b.data_ptr() for b in buffers])
+    src = (ctypes.c_int64 * len(rows))(*rows)
+    lib.specstore_move_rows(ptrs, len(buffers), heads, shape[-2] * row_bytes, row_bytes, start, src, len(rows))
+    return True
 
 
 def has_elementwise(lib: ctypes.CDLL | None = None) -> bool:

@@ -15,6 +15,11 @@ the ones ``torch.cat`` would give; only the copies go. Where something replaces 
 (``batch_repeat_interleave`` and ``batch_select_indices``, a deep copy), the next ``update`` finds
 that its views no longer sit at the start of its buffer and starts a new buffer from them.
 
+``compact(cache, start, rows, length)`` is the verifier's step end on such a cache: the accepted
+rows move up in every layer's buffers in one kernel call (gemm.move_rows) and the layers' lengths
+are set, instead of two torch ops per layer and tensor for the move and a slice of each for the
+cut.
+
 ``growing_cache(config)`` is a ``DynamicCache`` for ``config`` with each plain ``DynamicLayer``
 (not sliding-window or other kinds, which keep their own rules) swapped for a ``GrowingLayer``.
 ``SPECSTORE_GROWING_CACHE=0`` keeps transformers' layers (for comparisons).
@@ -32,7 +37,39 @@ MIN_CAPACITY = 256  # rows a buffer holds at least
 
 
 class GrowingLayer(DynamicLayer):
-    """``DynamicLayer`` with in-place appends (module doc)."""
+    """``DynamicLayer`` with in-place appends (module doc). While the layer owns its buffers,
+    ``keys`` and ``values`` are views of their first ``_length`` rows, made when read, so a crop
+    or a compaction changes one number instead of slicing 2 tensors per layer; a tensor that
+    something else assigns (transformers' crop of a positive length, batch ops, a deep copy's)
+    is kept as given until the next ``update`` copies it in."""
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        d = self.__dict__
+        return d["_key_buffer"].narrow(-2, 0, d["_length"]) if d.get("_own") else d.get("_keys")
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._disown()
+        self.__dict__["_keys"] = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        d = self.__dict__
+        return d["_value_buffer"].narrow(-2, 0, d["_length"]) if d.get("_own") else d.get("_values")
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._disown()
+        self.__dict__["_values"] = value
+
+    def _disown(self) -> None:
+        """Hand both views out as tensors before one of them is replaced from outside."""
+        d = self.__dict__
+        if d.get("_own"):
+            d["_keys"] = d["_key_buffer"].narrow(-2, 0, d["_length"])
+            d["_values"] = d["_value_buffer"].narrow(-2, 0, d["_length"])
+            d["_own"] = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -42,11 +79,13 @@ class GrowingLayer(DynamicLayer):
     def _fits(self, states: tuple[torch.Tensor, torch.Tensor], old: int, new: int) -> bool:
         """Whether the buffers take ``new`` rows of ``states``' kind, the ``old`` cached ones
         being their leading rows (not tensors something else put in place of the views)."""
+        own = self.__dict__.get("_own")
         for view, buf, state in ((self.keys, self._key_buffer, states[0]), (self.values, self._value_buffer, states[1])):
             if (buf is None or new > buf.shape[-2] or buf.shape[:-2] != state.shape[:-2] or buf.shape[-1] != state.shape[-1]
                     or buf.dtype != state.dtype or buf.device != state.device):
                 return False
-            if old and (view.data_ptr() != buf.data_ptr() or view.stride() != buf.stride() or view.shape[:-2] != buf.shape[:-2]):
+            if old and not own and (view.data_ptr() != buf.data_ptr() or view.stride() != buf.stride()
+                                    or view.shape[:-2] != buf.shape[:-2]):
                 return False
         return True
 
@@ -68,13 +107,46 @@ class GrowingLayer(DynamicLayer):
             self._grow(key_states, value_states, old, new)
         self._key_buffer[..., old:new, :] = key_states
         self._value_buffer[..., old:new, :] = value_states
-        self.keys = self._key_buffer[..., :new, :]
-        self.values = self._value_buffer[..., :new, :]
+        d = self.__dict__
+        d["_length"], d["_own"], d["_keys"], d["_values"] = new, True, None, None
         return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        d = self.__dict__
+        return d["_length"] if d.get("_own") else super().get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        d = self.__dict__
+        if d.get("_own") and tokens_to_remove < 0:  # the views shorten: one number
+            d["_length"] = max(d["_length"] + tokens_to_remove, 0)
+            return
+        super().crop(tokens_to_remove)
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         super().reset()
+
+
+def compact(cache: DynamicCache, start: int, rows: list[int], length: int) -> bool:
+    """Move cached rows ``start + rows[i]`` to ``start + i`` in every layer (``rows``: an
+    accepted path's node rows, increasing) and keep the first ``length`` rows. True when done
+    here; False, with the cache untouched, where a layer is not a ``GrowingLayer`` owning its
+    buffers or the kernel cannot move the rows (the caller does it with torch)."""
+    layers, buffers = [], []
+    for layer in cache.layers:
+        d = layer.__dict__
+        if type(layer) is not GrowingLayer or not d.get("_own") or length > d["_length"]:
+            return False
+        layers.append(d)
+        buffers += (d["_key_buffer"], d["_value_buffer"])
+    if rows != list(range(len(rows))):
+        from specstore.runtime import gemm
+
+        if not gemm.move_rows(buffers, start, rows):
+            return False
+    for d in layers:
+        d["_length"] = length
+    return True
 
 
 def growing_cache(config) -> DynamicCache:

@@ -32,6 +32,7 @@ import torch
 from specstore.runtime.attention import use_packed_attention
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.fused import use_fused_elementwise
+from specstore.runtime.kv_cache import compact as compact_cache
 from specstore.runtime.kv_cache import growing_cache
 from specstore.runtime.linear import use_packed_linears
 from specstore.runtime.sampling import Sampling, accept, pick
@@ -199,6 +200,8 @@ class TreeVerifier:
         """Keep the cache entries of the pending token and the accepted path, drop the rest.
         When the path is the tree's first nodes in order (always so for a chain) a crop suffices."""
         num_nodes, kept, start = len(tree), len(accepted), num_before + 1
+        if compact_cache(self.cache, start, accepted, start + kept):  # one kernel call (kv_cache.compact)
+            return
         if accepted != list(range(kept)):
             # the accepted entries move up to follow the pending token's, in place (no copy of
             # the whole cache per layer); the crop below drops the tail

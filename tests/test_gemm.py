@@ -410,3 +410,28 @@ def test_argmax_is_torchs_first_maximum_and_leaves_nan_to_torch():
     assert gemm.argmax(x) is None and gemm.argmax(torch.zeros(33).bfloat16()[-1:0]) is None
     assert gemm.argmax(torch.zeros(2, 40).bfloat16()[:, 0]) is None  # not contiguous
     assert gemm.argmax(torch.zeros(40)) is None  # float32: torch's own
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_rows_moves_as_index_select_and_refuses_what_it_cannot_take(dtype):
+    g = torch.Generator().manual_seed(7)
+    buffers = [torch.randn(1, 3, 32, 16, generator=g).to(dtype) for _ in range(4)]
+    want = [b.clone() for b in buffers]
+    start, rows = 10, [1, 4, 5, 9]
+    for b in want:
+        b[..., start : start + len(rows), :] = b.index_select(-2, torch.tensor([start + r for r in rows]))
+    assert gemm.move_rows(buffers, start, rows)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, want, strict=True))
+    before = [b.clone() for b in buffers]
+    refused = [
+        (buffers, start, [2, 1]),  # not increasing
+        (buffers, start, [0, 0]),
+        (buffers, 30, [0, 5]),  # past the capacity
+        ([*buffers, torch.zeros(1, 3, 16, 16, dtype=dtype)], start, [1]),  # shapes differ
+        ([*buffers, torch.zeros(1, 3, 32, 16, dtype=torch.float16)], start, [1]),  # dtypes differ
+        ([*buffers, torch.zeros(1, 3, 16, 32, dtype=dtype).transpose(-1, -2)], start, [1]),  # not contiguous
+    ]
+    for bufs, at, r in refused:
+        assert not gemm.move_rows(bufs, at, r)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, before, strict=True))

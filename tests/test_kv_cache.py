@@ -10,9 +10,11 @@ import copy
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specstore.runtime.kv_cache import GrowingLayer, growing_cache
+from specstore.runtime import gemm, verify
+from specstore.runtime.kv_cache import GrowingLayer, compact, growing_cache
 from specstore.runtime.tree import DraftTree
 from specstore.runtime.verify import TreeVerifier
 from tests.decoding_helpers import tiny_lm
@@ -81,6 +83,69 @@ def test_replaced_tensors_start_a_new_buffer():
     _same(grow, plain)
 
 
+def test_a_tensor_assigned_from_outside_is_kept_until_the_next_update():
+    """While the layer owns its buffers its views are made when read; tensors assigned from
+    outside are what the layer holds (its length theirs) until an update copies them in."""
+    rng = torch.Generator().manual_seed(4)
+    grow = GrowingLayer()
+    grow.update(*_states(rng, 9))
+    values_before = grow.values
+    keys, values = torch.zeros(1, 2, 4, 8), torch.ones(1, 2, 4, 8)
+    grow.keys = keys
+    assert grow.keys is keys and torch.equal(grow.values, values_before)  # the other view handed out as it was
+    grow.values = values
+    assert grow.get_seq_length() == 4
+    with pytest.raises(ValueError):
+        grow.crop(3)  # transformers' rule for a positive count holds
+    k, v = _states(rng, 2)
+    grow.update(k, v)
+    assert grow.get_seq_length() == 6  # 4 assigned + 2 appended (not 9 + 2)
+    assert torch.equal(grow.keys[..., :4, :], keys) and torch.equal(grow.keys[..., 4:, :], k)
+    assert torch.equal(grow.values[..., :4, :], values) and torch.equal(grow.values[..., 4:, :], v)
+
+
+def _filled_cache(rows: int, seed: int = 6):
+    model, _ = tiny_lm("llama")
+    rng = torch.Generator().manual_seed(seed)
+    cache, plain = growing_cache(model.config), DynamicCache(config=model.config)
+    for i in range(len(cache.layers)):
+        k, v = _states(rng, rows)
+        cache.layers[i].update(k, v)
+        plain.layers[i].update(k.clone(), v.clone())
+    return cache, plain
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [1, 3], [0, 2, 5], []])
+def test_compact_moves_the_accepted_rows_and_cuts_as_the_torch_path_does(rows):
+    cache, plain = _filled_cache(20)
+    start = 12  # the pending token's row is 11; tree nodes from 12
+    moves = rows != list(range(len(rows)))
+    if moves and not gemm.available():
+        assert not compact(cache, start, rows, start + len(rows))
+        pytest.skip(f"no CPU kernel here: {gemm.unavailable_reason()}")
+    assert compact(cache, start, rows, start + len(rows))
+    for layer in plain.layers:  # what TreeVerifier.compact does on transformers' layers
+        if moves:
+            keep = torch.tensor([start + r for r in rows])
+            for name in ("keys", "values"):
+                full = getattr(layer, name)
+                full[..., start : start + len(rows), :] = full.index_select(-2, keep)
+        layer.crop(-(20 - start - len(rows)))
+    for a, b in zip(cache.layers, plain.layers, strict=True):
+        _same(a, b)
+    assert cache.get_seq_length() == start + len(rows)
+
+
+def test_compact_leaves_other_layers_to_the_caller():
+    _, plain = _filled_cache(10)
+    before = [layer.keys.clone() for layer in plain.layers]
+    assert not compact(plain, 5, [1, 2], 7)  # transformers' layers: the verifier's torch path
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, plain.layers, strict=True))
+    cache, _ = _filled_cache(10)
+    cache.layers[0].keys = cache.layers[0].keys.clone()  # replaced from outside: not owned
+    assert not compact(cache, 5, [0, 1], 7) and cache.get_seq_length() == 10
+
+
 def test_growing_cache_swaps_plain_layers_only(monkeypatch):
     model, _ = tiny_lm("llama")
     cache = growing_cache(model.config)
@@ -111,6 +176,9 @@ def test_verifier_logits_and_cache_bitwise_as_with_transformers_layers(family, m
     assert type(verifiers[1].cache.layers[0]) is DynamicLayer
     pending = [v.prefill(committed).bonus for v in verifiers]
     assert pending[0] == pending[1]
+    fast = []
+    real = verify.compact_cache
+    monkeypatch.setattr(verify, "compact_cache", lambda *a: fast.append(real(*a)) or fast[-1])
     moved = 0
     for step in range(40):
         # a random branch first, then the greedy continuation (accepted, not the first nodes:
@@ -128,3 +196,5 @@ def test_verifier_logits_and_cache_bitwise_as_with_transformers_layers(family, m
         committed += [pending[0], *outs[0].result.accepted_tokens]
         pending = [outs[0].result.bonus] * 2
     assert moved >= 5  # the in-place compaction ran on both caches
+    if family == "llama" and gemm.available():  # the growing cache's steps ended in one kernel call
+        assert len(fast) == 80 and sum(fast) == 40

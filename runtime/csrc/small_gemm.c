@@ -314,6 +314,21 @@ int64_t specstore_context_matches(const int64_t *tokens, int64_t size, int64_t m
     return count;
 }
 
+/* The verifier's cache compaction after a tree step (runtime/kv_cache.py: compact) in one call
+ * instead of two torch ops per layer and tensor: in each of the ``nbufs`` buffers (a layer's keys or
+ * values, ``heads`` blocks ``head_stride`` bytes apart, rows of ``row_bytes``), row start + from[i]
+ * moves to row start + i for i = 0 .. kept - 1. from[] increases and from[i] >= i (an accepted path's
+ * nodes, parents first), so copying in increasing i never overwrites a row before it is read. */
+void specstore_move_rows(char *const *bufs, int64_t nbufs, int64_t heads, int64_t head_stride, int64_t row_bytes,
+                         int64_t start, const int64_t *from, int64_t kept) {
+    for (int64_t b = 0; b < nbufs; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            char *base = bufs[b] + h * head_stride + start * row_bytes;
+            for (int64_t i = 0; i < kept; i++)
+                if (from[i] != i) memmove(base + i * row_bytes, base + from[i] * row_bytes, (size_t)row_bytes);
+        }
+}
+
 /* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
  * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
  *
