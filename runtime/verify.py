@@ -200,9 +200,12 @@ class TreeVerifier:
         """Keep the cache entries of the pending token and the accepted path, drop the rest.
         When the path is the tree's first nodes in order (always so for a chain) a crop suffices."""
         num_nodes, kept, start = len(tree), len(accepted), num_before + 1
+        prefix = accepted == list(range(kept))
+        if prefix and num_nodes == kept:  # a plain step, or a chain accepted whole: nothing to do
+            return
         if compact_cache(self.cache, start, accepted, start + kept):  # one kernel call (kv_cache.compact)
             return
-        if accepted != list(range(kept)):
+        if not prefix:
             # the accepted entries move up to follow the pending token's, in place (no copy of
             # the whole cache per layer); the crop below drops the tail
             keep = torch.tensor([start + i for i in accepted], device=self.device)

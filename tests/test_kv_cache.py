@@ -196,5 +196,5 @@ def test_verifier_logits_and_cache_bitwise_as_with_transformers_layers(family, m
         committed += [pending[0], *outs[0].result.accepted_tokens]
         pending = [outs[0].result.bonus] * 2
     assert moved >= 5  # the in-place compaction ran on both caches
-    if family == "llama" and gemm.available():  # the growing cache's steps ended in one kernel call
-        assert len(fast) == 80 and sum(fast) == 40
+    if family == "llama" and gemm.available():  # each step with work: the growing cache's in one kernel call,
+        assert fast.count(True) == fast.count(False) >= moved  # transformers' layers on the torch path
