@@ -123,6 +123,7 @@ class GrowingLayer(DynamicLayer):
         super().crop(tokens_to_remove)
 
     def reset(self) -> None:
+        self.__dict__["_own"] = False  # the views go with the buffers
         self._key_buffer = self._value_buffer = None
         super().reset()
 

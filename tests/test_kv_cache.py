@@ -104,6 +104,19 @@ def test_a_tensor_assigned_from_outside_is_kept_until_the_next_update():
     assert torch.equal(grow.values[..., :4, :], values) and torch.equal(grow.values[..., 4:, :], v)
 
 
+def test_a_reset_layer_starts_again():
+    rng = torch.Generator().manual_seed(8)
+    grow, plain = GrowingLayer(), DynamicLayer()
+    for layer in (grow, plain):
+        layer.update(*_states(torch.Generator().manual_seed(9), 5))
+        layer.reset()
+    assert grow.keys is None and grow.values is None and grow.get_seq_length() == plain.get_seq_length() == 0
+    k, v = _states(rng, 3)
+    grow.update(k, v)
+    plain.update(k, v)
+    _same(grow, plain)
+
+
 def _filled_cache(rows: int, seed: int = 6):
     model, _ = tiny_lm("llama")
     rng = torch.Generator().manual_seed(seed)
