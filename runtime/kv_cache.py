@@ -10,10 +10,10 @@ BENCHMARKS.md, thirteenth session) gained about 5% at 1,000-2,000 cached tokens 
 Owns ``GrowingLayer``, a ``DynamicLayer`` whose keys and values live in a buffer with spare
 capacity (doubled when full, so a request of n tokens copies O(n) in all): ``update`` writes the
 new rows after the cached ones and returns views of the filled part; ``crop`` (what the verifier
-does after each tree) shortens the views only. The values, and so every product and logit, are
-the ones ``torch.cat`` would give; only the copies go. Where something replaces a layer's tensors
-(``batch_repeat_interleave`` and ``batch_select_indices``, a deep copy), the next ``update`` finds
-that its views no longer sit at the start of its buffer and starts a new buffer from them.
+does after each tree) sets the filled length only. The values, and so every product and logit,
+are the ones ``torch.cat`` would give; only the copies go. Where something replaces a layer's
+tensors (``batch_repeat_interleave`` and ``batch_select_indices``, as on the verifier's batch
+fallback's deep copy), the next ``update`` starts a new buffer from what it holds then.
 
 ``compact(cache, start, rows, length)`` is the verifier's step end on such a cache: the accepted
 rows move up in every layer's buffers in one kernel call (gemm.move_rows) and the layers' lengths
@@ -40,8 +40,8 @@ class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` with in-place appends (module doc). While the layer owns its buffers,
     ``keys`` and ``values`` are views of their first ``_length`` rows, made when read, so a crop
     or a compaction changes one number instead of slicing 2 tensors per layer; a tensor that
-    something else assigns (transformers' crop of a positive length, batch ops, a deep copy's)
-    is kept as given until the next ``update`` copies it in."""
+    something else assigns (transformers' batch and beam operations) is kept as given until the
+    next ``update`` copies it in. A deep copy copies the buffers and owns them."""
 
     @property
     def keys(self) -> torch.Tensor | None:
