@@ -284,7 +284,7 @@ def move_rows(buffers: list[torch.Tensor], start: int, rows: list[int]) -> bool:
     ``rows[i] >= i``. False, with nothing moved, where the kernel is missing or the buffers are
     not all alike (the caller moves them with torch)."""
     lib = _lib or library()
-    if lib is None or not buffers or any(r < i for i, r in enumerate(rows)) or any(b <= a for a, b in pairwise(rows)):
+    if lib is None or not buffers or (rows and rows[0] < 0) or any(b <= a for a, b in pairwise(rows)):  # so rows[i] >= i
         return False
     first = buffers[0]
     shape, dtype = first.shape, first.dtype

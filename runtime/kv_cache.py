@@ -33,7 +33,24 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specstore.runtime import gemm
+
 MIN_CAPACITY = 256  # rows a buffer holds at least
+
+
+def _view(buffer: str, held: str) -> property:
+    """A ``GrowingLayer``'s ``keys`` or ``values``: a view of ``buffer``'s first ``_length`` rows,
+    made when read, while the layer owns its buffers; else the tensor kept in ``held``."""
+
+    def get(self) -> torch.Tensor | None:
+        d = self.__dict__
+        return d[buffer].narrow(-2, 0, d["_length"]) if d.get("_own") else d.get(held)
+
+    def put(self, value: torch.Tensor | None) -> None:
+        self._disown()
+        self.__dict__[held] = value
+
+    return property(get, put)
 
 
 class GrowingLayer(DynamicLayer):
@@ -43,32 +60,14 @@ class GrowingLayer(DynamicLayer):
     something else assigns (transformers' batch and beam operations) is kept as given until the
     next ``update`` copies it in. A deep copy copies the buffers and owns them."""
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        d = self.__dict__
-        return d["_key_buffer"].narrow(-2, 0, d["_length"]) if d.get("_own") else d.get("_keys")
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._disown()
-        self.__dict__["_keys"] = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        d = self.__dict__
-        return d["_value_buffer"].narrow(-2, 0, d["_length"]) if d.get("_own") else d.get("_values")
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._disown()
-        self.__dict__["_values"] = value
+    keys = _view("_key_buffer", "_keys")
+    values = _view("_value_buffer", "_values")
 
     def _disown(self) -> None:
         """Hand both views out as tensors before one of them is replaced from outside."""
         d = self.__dict__
         if d.get("_own"):
-            d["_keys"] = d["_key_buffer"].narrow(-2, 0, d["_length"])
-            d["_values"] = d["_value_buffer"].narrow(-2, 0, d["_length"])
+            d["_keys"], d["_values"] = self.keys, self.values
             d["_own"] = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -79,14 +78,15 @@ class GrowingLayer(DynamicLayer):
     def _fits(self, states: tuple[torch.Tensor, torch.Tensor], old: int, new: int) -> bool:
         """Whether the buffers take ``new`` rows of ``states``' kind, the ``old`` cached ones
         being their leading rows (not tensors something else put in place of the views)."""
-        own = self.__dict__.get("_own")
-        for view, buf, state in ((self.keys, self._key_buffer, states[0]), (self.values, self._value_buffer, states[1])):
+        own = self.__dict__.get("_own")  # owned views sit at their buffers' start by construction
+        for name, buf, state in (("keys", self._key_buffer, states[0]), ("values", self._value_buffer, states[1])):
             if (buf is None or new > buf.shape[-2] or buf.shape[:-2] != state.shape[:-2] or buf.shape[-1] != state.shape[-1]
                     or buf.dtype != state.dtype or buf.device != state.device):
                 return False
-            if old and not own and (view.data_ptr() != buf.data_ptr() or view.stride() != buf.stride()
-                                    or view.shape[:-2] != buf.shape[:-2]):
-                return False
+            if old and not own:
+                view = getattr(self, name)
+                if view.data_ptr() != buf.data_ptr() or view.stride() != buf.stride() or view.shape[:-2] != buf.shape[:-2]:
+                    return False
         return True
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, needed: int) -> None:
@@ -140,11 +140,8 @@ def compact(cache: DynamicCache, start: int, rows: list[int], length: int) -> bo
             return False
         layers.append(d)
         buffers += (d["_key_buffer"], d["_value_buffer"])
-    if rows != list(range(len(rows))):
-        from specstore.runtime import gemm
-
-        if not gemm.move_rows(buffers, start, rows):
-            return False
+    if rows != list(range(len(rows))) and not gemm.move_rows(buffers, start, rows):
+        return False
     for d in layers:
         d["_length"] = length
     return True
