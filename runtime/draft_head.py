@@ -185,16 +185,30 @@ class DraftHead:
         return path
 
     @torch.inference_mode()
-    def guess(self, hidden: torch.Tensor, pending: int, k: int = 1) -> list[tuple[int, float]]:
-        """The ``k`` likeliest tokens after ``pending`` (best first) with the head's probability,
-        from the target's last hidden state ``hidden`` [H] (the one that chose ``pending``)."""
+    def distribution(self, hidden: torch.Tensor, pending: int) -> torch.Tensor:
+        """The head's probabilities [V'] (float32, over its vocabulary: ``vocab[i]`` is token
+        ``i``'s id) of the token after ``pending``, from the target's last hidden state
+        ``hidden`` [H] (the one that chose ``pending``)."""
         h = hidden.detach().reshape(1, -1).to(device="cpu", dtype=self.dtype)
         row = int(self.rows[pending]) if 0 <= pending < len(self.rows) else len(self.vocab)
         f = self.infer
         z = h + f["fc2"](torch.nn.functional.silu(f["fc1h"](h) + self.pending_rows[row]))
-        logits = f["out"](z).float()[0]
-        top = torch.softmax(logits, 0).topk(min(k, len(self.vocab)))
+        return torch.softmax(f["out"](z).float()[0], 0)
+
+    def top(self, probs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+        """The ``k`` likeliest tokens of a ``distribution`` (best first) with their probabilities."""
+        top = probs.topk(min(k, len(self.vocab)))
         return [(int(self.vocab[i]), float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+
+    def probability(self, probs: torch.Tensor, token: int) -> float | None:
+        """``token``'s probability in a ``distribution``; None for a token outside the head's vocabulary."""
+        row = int(self.rows[token]) if 0 <= token < len(self.rows) else len(self.vocab)
+        return float(probs[row]) if row < len(self.vocab) else None
+
+    def guess(self, hidden: torch.Tensor, pending: int, k: int = 1) -> list[tuple[int, float]]:
+        """The ``k`` likeliest tokens after ``pending`` (best first) with the head's probability,
+        from the target's last hidden state ``hidden`` [H] (the one that chose ``pending``)."""
+        return self.top(self.distribution(hidden, pending), k)
 
 
 _LOADED: dict[tuple, DraftHead] = {}

@@ -171,3 +171,51 @@ def test_a_head_file_is_loaded_once_until_it_changes(head_setup, tmp_path):
         DraftHead.cached(copy, expect=loaded.info.model_copy(update={"revision": "0" * 64}))
     head.save(copy)  # rewritten: read again
     assert DraftHead.cached(copy, expect=loaded.info) is not first
+
+
+def test_a_heads_distribution_gives_its_guesses_and_any_tokens_probability(head_setup):
+    _, _, _, head, data, _ = head_setup
+    h, pending = data["hidden"][3], int(data["pending"][3])
+    probs = head.distribution(h, pending)
+    assert probs.shape == (len(head.vocab),) and abs(float(probs.sum()) - 1.0) < 1e-4
+    guesses = head.guess(h, pending, 3)
+    assert guesses == head.top(probs, 3)
+    for token, p in guesses:
+        assert head.probability(probs, token) == pytest.approx(p)
+    outside = next(t for t in range(10**6) if t not in set(head.vocab.tolist()))
+    assert head.probability(probs, outside) is None and head.probability(probs, -1) is None
+
+
+def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setup):
+    """With a head, every first draft token (whatever its source) gets the head's probability as
+    its prior and, binned, a calibration cell of its own; deeper nodes keep the score's prior.
+    ``head_signal=off`` leaves the signal as it was without a head."""
+    from specstore.runtime.drafters import respec
+    from specstore.runtime.drafters.respec_pool import Candidate
+    from specstore.runtime.tree import DraftTree
+
+    store, loaded, _, head, data, path = head_setup
+    ds = Datastore.open(store, "own", loaded.info)
+    h, pending = data["hidden"][5], int(data["pending"][5])
+    probs = head.distribution(h, pending)
+    order = probs.argsort(descending=True).tolist()
+    likely, unlikely = int(head.vocab[order[0]]), int(head.vocab[order[-1]])
+    chosen = [Candidate(("suffix", 0), [likely, 7, 8], match=4), Candidate(("suffix", 1), [unlikely, 9], match=4)]
+
+    def signal(**options):
+        drafter = respec.ReSpecDrafter(ds, respec.ReSpecConfig(head=str(path), **options))
+        drafter.head_probs = probs
+        tree = DraftTree.from_paths([c.tokens for c in chosen])
+        drafter._add_signals(tree, chosen)
+        by_token = dict(zip(tree.tokens.tolist(), zip(tree.node_data["bucket"].tolist(), tree.node_data["prior"].tolist(), strict=True), strict=True))
+        return by_token
+
+    on = signal()
+    assert on[likely][1] == pytest.approx(float(probs[order[0]])) and on[unlikely][1] == pytest.approx(float(probs[order[-1]]))
+    assert on[likely][0] != on[unlikely][0]  # far apart in probability: different cells
+    assert on[7][1] == pytest.approx(0.5) and on[7][0] == on[9][0]  # deeper nodes: the score's prior, no head bin
+    off = signal(head_signal=False)
+    assert off[likely] == off[unlikely] and off[likely][1] == pytest.approx(0.5)
+    assert max(b for b, _ in on.values()) < respec.FALLBACK_BUCKET
+    with pytest.raises(SpecstoreError, match="head_signal must be on or off"):
+        make_drafter("respec", ds, head=str(path), head_signal="sometimes")

@@ -93,7 +93,14 @@ MATCH_EDGES = (2, 4, 8, 16)  # bins of the context suffix a candidate continues 
 HEAD_EDGES = (0.3, 0.5, 0.7, 0.9)
 HEAD_MATCH = (0, *MATCH_EDGES)
 SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
-FALLBACK_BUCKET = 1000  # cost-aware buckets of fallback drafts start here
+# the head's probability of a first draft token (a child of the pending one) in the signal
+# (ReSpecConfig.head_signal): bins at these edges, one more for a token outside the head's
+# vocabulary and one for every other node (deeper, or no head this step)
+HEAD_SIGNAL_EDGES = (0.01, 0.05, 0.2, 0.5)
+HEAD_SIGNAL_BINS = len(HEAD_SIGNAL_EDGES) + 3
+# cost-aware buckets of fallback drafts start here, past every bucket of the pool's signal
+SWITCHES = ("relaxed", "source_prior", "resync", "head_signal")  # ReSpecConfig's on/off fields
+FALLBACK_BUCKET = SUPPORT_CAP * (len(MATCH_EDGES) + 1) * (len(SOURCE_INDEX) + 1) * HEAD_SIGNAL_BINS * (len(SCORE_EDGES) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +138,10 @@ class ReSpecConfig:
     # "off" none, or a head file's path
     head: str = "auto"
     head_guesses: int = 2  # the head's likeliest tokens drafted per step, one candidate each (2: tune splits, BENCHMARKS.md)
+    # the head's probability of every first draft token (whatever its source) joins that node's
+    # cost-aware signal, binned (HEAD_SIGNAL_EDGES), and is its prior: the pruner then keeps the
+    # branches the head agrees with (tune splits: BENCHMARKS.md, twenty-fourth session)
+    head_signal: bool = True
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -147,6 +158,9 @@ class ReSpecConfig:
             raise ValueError(f"context_length must be >= 0, got {self.context_length}")
         if self.head_guesses < 0:
             raise ValueError(f"head_guesses must be >= 0, got {self.head_guesses}")
+        for name in SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cost_signal not in ("full", "source"):
             raise ValueError(f"cost_signal must be full or source, got {self.cost_signal!r}")
 
@@ -198,6 +212,7 @@ class ReSpecDrafter:
         self.resync: list[Candidate] = []  # the next step's resync candidates (observe)
         self.head = load_head(self.config.head, datastore) if self.config.head_guesses else None
         self.head_steps = self.head_accepted = 0  # steps that drafted a head guess; those that took one
+        self.head_probs: torch.Tensor | None = None  # the head's distribution this step (head_candidates)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.scores, self.source_scores = {}, {}
@@ -288,11 +303,14 @@ class ReSpecDrafter:
     def head_candidates(self, state: DecodeState) -> list[Candidate]:
         """The head's ``head_guesses`` likeliest tokens after the pending one, one candidate of
         one token each (key ``("head", rank)``; its probability, binned by HEAD_EDGES, in the
-        match's place). None at all without a head or a hidden state."""
+        match's place). None at all without a head or a hidden state. The head's whole
+        distribution is kept as ``head_probs`` for this step's signal."""
+        self.head_probs = None
         if self.head is None or state.last_hidden is None or not state.tokens:
             return []
         out = []
-        for rank, (token, p) in enumerate(self.head.guess(state.last_hidden, int(state.tokens[-1]), self.config.head_guesses)):
+        self.head_probs = probs = self.head.distribution(state.last_hidden, int(state.tokens[-1]))
+        for rank, (token, p) in enumerate(self.head.top(probs, self.config.head_guesses)):
             out.append(Candidate(("head", rank), [token], HEAD_MATCH[bisect.bisect_right(HEAD_EDGES, p)]))
         return out
 
@@ -312,13 +330,19 @@ class ReSpecDrafter:
                 if s > best[node]:
                     best[node], source[node], match[node] = s, src, m
         full = self.config.cost_signal == "full"
-        buckets, priors = [], []
+        heads, priors = [HEAD_SIGNAL_BINS - 1] * n, [max(b, 0.0) / (max(b, 0.0) + 1.0) for b in best]
+        if full and self.config.head_signal and self.head_probs is not None:
+            for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True)):
+                if parent < 0:  # a first draft token: the head's probability says how likely it is
+                    p = self.head.probability(self.head_probs, token)
+                    heads[i] = HEAD_SIGNAL_BINS - 2 if p is None else bisect.bisect_right(HEAD_SIGNAL_EDGES, p)
+                    priors[i] = priors[i] if p is None else p
+        buckets = []
         for i in range(n):
             b = max(best[i], 0.0)
             cell = (min(max(support[i], 1), SUPPORT_CAP) - 1) * (len(MATCH_EDGES) + 1) + bisect.bisect_right(MATCH_EDGES, match[i]) if full else 0
-            cell = cell * (len(SOURCE_INDEX) + 1) + source[i]
+            cell = (cell * (len(SOURCE_INDEX) + 1) + source[i]) * HEAD_SIGNAL_BINS + heads[i]
             buckets.append(cell * (len(SCORE_EDGES) + 1) + bisect.bisect_right(SCORE_EDGES, b))
-            priors.append(b / (b + 1.0))
         tree.node_data["bucket"] = np.array(buckets, dtype=np.int64)
         tree.node_data["prior"] = np.array(priors, dtype=float)
 
@@ -395,8 +419,9 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
     ``overlay``: a served overlay, one more pool source."""
     if datastore is None:
         raise SpecstoreError("method 'respec' needs a datastore (--datastore NAME[@VERSION|@TAG])")
-    if isinstance(options.get("relaxed"), str):
-        options["relaxed"] = _on_off(options["relaxed"])
+    for name in SWITCHES:  # on/off switches given as text or 0/1
+        if isinstance(options.get(name), (str, int)) and not isinstance(options[name], bool):
+            options[name] = _on_off(name, str(options[name]))
     pool_options = dict(pool or {})
     for name in PoolConfig.__dataclass_fields__:  # bench's --option respec.num_dense=5 lands here
         if name in options:
@@ -413,9 +438,9 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
     return ReSpecDrafter(datastore, config, fallback, overlay)
 
 
-def _on_off(value: str) -> bool:
+def _on_off(name: str, value: str) -> bool:
     if value.lower() in ("on", "true", "1", "yes"):
         return True
     if value.lower() in ("off", "false", "0", "no"):
         return False
-    raise SpecstoreError(f"relaxed must be on or off, got {value!r}")
+    raise SpecstoreError(f"{name} must be on or off, got {value!r}")
