@@ -54,7 +54,9 @@ and tallied in ``overlay_use``.
 Given a draft head (runtime/draft_head.py; ``head="auto"`` finds the one trained for the
 datastore's model, if any), the head's ``head_guesses`` likeliest tokens after the pending one
 join the pool as one-token ``("head", rank)`` candidates in the steps that retrieve; their
-probability takes the context match's place in the cost-aware signal.
+probability takes the context match's place in the cost-aware signal. With ``head_signal`` (the
+default) the head's probability of every first draft token, whatever its source, is that node's
+prior and, binned (HEAD_SIGNAL_EDGES), part of its cell: the pruner keeps what the head agrees with.
 
 Cost-aware sizing (drafters/cost_aware.py, on with a cost model): each node's signal is its
 best candidate's source, EMA score and context match, and how many chosen candidates pass
