@@ -200,8 +200,9 @@ class DraftHead:
         top = probs.topk(min(k, len(self.vocab)))
         return [(int(self.vocab[i]), float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
 
-    def probability(self, probs: torch.Tensor, token: int) -> float | None:
-        """``token``'s probability in a ``distribution``; None for a token outside the head's vocabulary."""
+    def probability(self, probs, token: int) -> float | None:
+        """``token``'s probability in a ``distribution`` (the tensor or its numpy view); None for
+        a token outside the head's vocabulary."""
         row = int(self.rows[token]) if 0 <= token < len(self.rows) else len(self.vocab)
         return float(probs[row]) if row < len(self.vocab) else None
 

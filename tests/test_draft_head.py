@@ -200,7 +200,8 @@ def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setu
     probs = head.distribution(h, pending)
     order = probs.argsort(descending=True).tolist()
     likely, unlikely = int(head.vocab[order[0]]), int(head.vocab[order[-1]])
-    chosen = [Candidate(("suffix", 0), [likely, 7, 8], match=4), Candidate(("suffix", 1), [unlikely, 9], match=4)]
+    chosen = [Candidate(("suffix", 0), [likely, 7, 8], match=4), Candidate(("suffix", 1), [unlikely, 9], match=4),
+              Candidate(("context", 0), [int(head.vocab[order[-2]]), 10], match=4)]  # a long copy from the context
 
     def signal(**options):
         drafter = respec.ReSpecDrafter(ds, respec.ReSpecConfig(head=str(path), **options))
@@ -210,11 +211,12 @@ def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setu
         by_token = dict(zip(tree.tokens.tolist(), zip(tree.node_data["bucket"].tolist(), tree.node_data["prior"].tolist(), strict=True), strict=True))
         return by_token
 
-    on = signal()
+    on, off = signal(), signal(head_signal=False)
     assert on[likely][1] == pytest.approx(float(probs[order[0]])) and on[unlikely][1] == pytest.approx(float(probs[order[-1]]))
     assert on[likely][0] != on[unlikely][0]  # far apart in probability: different cells
     assert on[7][1] == pytest.approx(0.5) and on[7][0] == on[9][0]  # deeper nodes: the score's prior, no head bin
-    off = signal(head_signal=False)
+    copy = int(head.vocab[order[-2]])
+    assert on[copy][1] == pytest.approx(0.5) and on[copy][0] != off[copy][0]  # a long copy keeps its prior, binned all the same
     assert off[likely] == off[unlikely] and off[likely][1] == pytest.approx(0.5)
     assert max(b for b, _ in on.values()) < respec.FALLBACK_BUCKET
     with pytest.raises(SpecstoreError, match="head_signal must be on or off"):

@@ -57,6 +57,8 @@ join the pool as one-token ``("head", rank)`` candidates in the steps that retri
 probability takes the context match's place in the cost-aware signal. With ``head_signal`` (the
 default) the head's probability of every first draft token, whatever its source, is that node's
 prior and, binned (HEAD_SIGNAL_EDGES), part of its cell: the pruner keeps what the head agrees with.
+A context candidate continuing a long match (``pool.max_ngram`` tokens) keeps its score's prior
+(binned all the same): the head does not see the context, and a copy should earn its length.
 
 Cost-aware sizing (drafters/cost_aware.py, on with a cost model): each node's signal is its
 best candidate's source, EMA score and context match, and how many chosen candidates pass
@@ -214,7 +216,7 @@ class ReSpecDrafter:
         self.resync: list[Candidate] = []  # the next step's resync candidates (observe)
         self.head = load_head(self.config.head, datastore) if self.config.head_guesses else None
         self.head_steps = self.head_accepted = 0  # steps that drafted a head guess; those that took one
-        self.head_probs: torch.Tensor | None = None  # the head's distribution this step (head_candidates)
+        self.head_probs: np.ndarray | None = None  # the head's distribution this step (head_candidates)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.scores, self.source_scores = {}, {}
@@ -311,9 +313,10 @@ class ReSpecDrafter:
         if self.head is None or state.last_hidden is None or not state.tokens:
             return []
         out = []
-        self.head_probs = probs = self.head.distribution(state.last_hidden, int(state.tokens[-1]))
+        probs = self.head.distribution(state.last_hidden, int(state.tokens[-1]))
         for rank, (token, p) in enumerate(self.head.top(probs, self.config.head_guesses)):
             out.append(Candidate(("head", rank), [token], HEAD_MATCH[bisect.bisect_right(HEAD_EDGES, p)]))
+        self.head_probs = probs.numpy()  # read a few entries at a time: numpy's indexing is ~30x cheaper than torch's
         return out
 
     def _add_signals(self, tree: DraftTree, chosen) -> None:
@@ -334,11 +337,13 @@ class ReSpecDrafter:
         full = self.config.cost_signal == "full"
         heads, priors = [HEAD_SIGNAL_BINS - 1] * n, [max(b, 0.0) / (max(b, 0.0) + 1.0) for b in best]
         if full and self.config.head_signal and self.head_probs is not None:
+            copy = self.config.pool.max_ngram
             for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True)):
                 if parent < 0:  # a first draft token: the head's probability says how likely it is
                     p = self.head.probability(self.head_probs, token)
                     heads[i] = HEAD_SIGNAL_BINS - 2 if p is None else bisect.bisect_right(HEAD_SIGNAL_EDGES, p)
-                    priors[i] = priors[i] if p is None else p
+                    if p is not None and not (source[i] == SOURCE_INDEX["context"] and match[i] >= copy):
+                        priors[i] = p  # a long copy from the context keeps its own: the head does not see the context
         buckets = []
         for i in range(n):
             b = max(best[i], 0.0)
