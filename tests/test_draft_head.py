@@ -219,5 +219,6 @@ def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setu
     assert on[copy][1] == pytest.approx(0.5) and on[copy][0] != off[copy][0]  # a long copy keeps its prior, binned all the same
     assert off[likely] == off[unlikely] and off[likely][1] == pytest.approx(0.5)
     assert max(b for b, _ in on.values()) < respec.FALLBACK_BUCKET
+    assert make_drafter("respec", ds, head=str(path), head_signal="off").config.head_signal is False  # the CLI's text
     with pytest.raises(SpecstoreError, match="head_signal must be on or off"):
         make_drafter("respec", ds, head=str(path), head_signal="sometimes")

@@ -458,9 +458,9 @@ def test_cli_generate_parser_has_respec_options():
 
     args = _build_parser().parse_args(["generate", "--store", "s", "--method", "respec", "--prompt", "x",
                                        "--entropy-threshold", "1.5", "--relaxed", "on", "--relaxed-ratio", "0.2",
-                                       "--context-length", "0", "--head", "off", "--head-guesses", "2"])
+                                       "--context-length", "0", "--head", "off", "--head-guesses", "2", "--head-signal", "off"])
     assert registry.options_from_args("respec", args) == {"entropy_threshold": 1.5, "relaxed": True, "relaxed_ratio": 0.2,
-                                                         "context_length": 0, "head": "off", "head_guesses": 2}
+                                                         "context_length": 0, "head": "off", "head_guesses": 2, "head_signal": "off"}
     registry.check_cli_options("respec", args)
     with pytest.raises(SpecstoreError, match="--entropy-threshold is an option of method 'respec'"):
         registry.check_cli_options("rest", args)

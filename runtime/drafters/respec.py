@@ -102,8 +102,8 @@ SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
 # vocabulary and one for every other node (deeper, or no head this step)
 HEAD_SIGNAL_EDGES = (0.01, 0.05, 0.2, 0.5)
 HEAD_SIGNAL_BINS = len(HEAD_SIGNAL_EDGES) + 3
-# cost-aware buckets of fallback drafts start here, past every bucket of the pool's signal
 SWITCHES = ("relaxed", "source_prior", "resync", "head_signal")  # ReSpecConfig's on/off fields
+# cost-aware buckets of fallback drafts start here, past every bucket of the pool's signal
 FALLBACK_BUCKET = SUPPORT_CAP * (len(MATCH_EDGES) + 1) * (len(SOURCE_INDEX) + 1) * HEAD_SIGNAL_BINS * (len(SCORE_EDGES) + 1)
 
 
@@ -223,6 +223,7 @@ class ReSpecDrafter:
         self.resync = []
         self.num_retrieved_steps = self.num_fallback_steps = 0
         self.head_steps = self.head_accepted = 0
+        self.head_probs = None
         self.overlay_use = OverlayUse()
         self.fallback.reset(prompt_ids)
 

@@ -23,6 +23,7 @@ CONFIG_FLAGS = {
     "relaxed_ratio": "--relaxed-ratio",
     "head": "--head",
     "head_guesses": "--head-guesses",
+    "head_signal": "--head-signal",
 }
 OTHER_FLAGS = {"relaxed": "--relaxed", "draft_model": "--draft-model", "draft_tokens": "--draft-tokens"}
 DEFAULT_DRAFT_TOKENS = 4
@@ -42,6 +43,9 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
                    help="draft head (specstore train-head) whose guesses of the next token join the candidates: auto (default) "
                    "the one trained for the datastore's model, if any; off; or a head file")
     g.add_argument("--head-guesses", type=int, default=None, metavar="N", help="the head's likeliest tokens drafted per step (default 2)")
+    g.add_argument("--head-signal", default=None, choices=["on", "off"],
+                   help="the head's probability of every first draft token guides the cost-aware pruning (default on; "
+                   "off: only its own guesses use it)")
     g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
     g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K (default 3)")
     g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's (default 0.3)")
