@@ -222,3 +222,25 @@ def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setu
     assert make_drafter("respec", ds, head=str(path), head_signal="off").config.head_signal is False  # the CLI's text
     with pytest.raises(SpecstoreError, match="head_signal must be on or off"):
         make_drafter("respec", ds, head=str(path), head_signal="sometimes")
+
+
+def test_candidates_the_head_rules_out_are_not_proposed_unless_they_copy_the_context(head_setup):
+    """``head_floor``: a candidate whose first token the head gives less than the floor never
+    reaches the tree; a long context copy does, whatever the head says; 0 keeps every one."""
+    from specstore.runtime.drafters import respec
+    from specstore.runtime.drafters.respec_pool import Candidate
+
+    store, loaded, _, head, data, path = head_setup
+    ds = Datastore.open(store, "own", loaded.info)
+    probs = head.distribution(data["hidden"][5], int(data["pending"][5]))
+    order = probs.argsort(descending=True).tolist()
+    likely, unlikely = int(head.vocab[order[0]]), int(head.vocab[order[-1]])
+    assert float(probs[order[-1]]) < 0.001 < float(probs[order[0]])
+    drafter = respec.ReSpecDrafter(ds, respec.ReSpecConfig(head=str(path)))
+    drafter.head_probs = probs.numpy()
+    assert drafter._head_agrees(Candidate(("suffix", 0), [likely, 5]))
+    assert not drafter._head_agrees(Candidate(("suffix", 0), [unlikely, 5]))
+    assert drafter._head_agrees(Candidate(("context", 0), [unlikely, 5], match=4))  # a long copy
+    assert not drafter._head_agrees(Candidate(("context", 0), [unlikely, 5], match=2))
+    with pytest.raises(ValueError, match="head_floor"):
+        respec.ReSpecConfig(head_floor=1.5)

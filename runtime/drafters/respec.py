@@ -59,6 +59,8 @@ default) the head's probability of every first draft token, whatever its source,
 prior and, binned (HEAD_SIGNAL_EDGES), part of its cell: the pruner keeps what the head agrees with.
 A context candidate continuing a long match (``pool.max_ngram`` tokens) keeps its score's prior
 (binned all the same): the head does not see the context, and a copy should earn its length.
+Candidates whose first token the head gives less than ``head_floor`` (0.001) are not proposed at
+all (long copies excepted): half the widened proposal's nodes, which the pruner almost never kept.
 
 Cost-aware sizing (drafters/cost_aware.py, on with a cost model): each node's signal is its
 best candidate's source, EMA score and context match, and how many chosen candidates pass
@@ -146,6 +148,11 @@ class ReSpecConfig:
     # cost-aware signal, binned (HEAD_SIGNAL_EDGES), and is its prior: the pruner then keeps the
     # branches the head agrees with (tune splits: BENCHMARKS.md, twenty-fourth session)
     head_signal: bool = True
+    # with the head's signal, a candidate whose first token the head gives less than this is not
+    # proposed (a long context copy excepted): half the proposal's nodes on the tune splits,
+    # pruned away almost always, cost drafting time and blurred the calibration (0: keep all;
+    # 0.0001-0.003 replayed alike, BENCHMARKS.md, twenty-fourth session)
+    head_floor: float = 0.001
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -162,6 +169,8 @@ class ReSpecConfig:
             raise ValueError(f"context_length must be >= 0, got {self.context_length}")
         if self.head_guesses < 0:
             raise ValueError(f"head_guesses must be >= 0, got {self.head_guesses}")
+        if not 0.0 <= self.head_floor < 1.0:
+            raise ValueError(f"head_floor must be in [0, 1), got {self.head_floor}")
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -270,6 +279,8 @@ class ReSpecDrafter:
             candidates += self.resync
             candidates += self.head_candidates(state)
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
+            if cfg.head_floor > 0 and cfg.head_signal and self.head_probs is not None:
+                qualified = [c for c in qualified if self._head_agrees(c)]
             qualified.sort(key=lambda c: -self.score(c.key))  # stable: pool order breaks ties
             chosen = qualified[: cfg.max_candidates]
             uncut = [c.tokens for c in chosen]  # before the cuts below (observe's resync)
@@ -319,6 +330,14 @@ class ReSpecDrafter:
             out.append(Candidate(("head", rank), [token], HEAD_MATCH[bisect.bisect_right(HEAD_EDGES, p)]))
         self.head_probs = probs.numpy()  # read a few entries at a time: numpy's indexing is ~30x cheaper than torch's
         return out
+
+    def _head_agrees(self, c: Candidate) -> bool:
+        """False for a candidate whose first token the head gives less than ``head_floor`` (a
+        long context copy excepted: the head does not see the context)."""
+        if not c.tokens or (c.source == "context" and c.match >= self.config.pool.max_ngram):
+            return True
+        p = self.head.probability(self.head_probs, c.tokens[0])
+        return p is None or p >= self.config.head_floor
 
     def _add_signals(self, tree: DraftTree, chosen) -> None:
         """The cost-aware signal (drafters/cost_aware.py): per node, the source, EMA score and
