@@ -190,9 +190,8 @@ class DraftHead:
         ``i``'s id) of the token after ``pending``, from the target's last hidden state
         ``hidden`` [H] (the one that chose ``pending``)."""
         h = hidden.detach().reshape(1, -1).to(device="cpu", dtype=self.dtype)
-        row = int(self.rows[pending]) if 0 <= pending < len(self.rows) else len(self.vocab)
         f = self.infer
-        z = h + f["fc2"](torch.nn.functional.silu(f["fc1h"](h) + self.pending_rows[row]))
+        z = h + f["fc2"](torch.nn.functional.silu(f["fc1h"](h) + self.pending_rows[self._row(pending)]))
         return torch.softmax(f["out"](z).float()[0], 0)
 
     def top(self, probs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -203,8 +202,12 @@ class DraftHead:
     def probability(self, probs, token: int) -> float | None:
         """``token``'s probability in a ``distribution`` (the tensor or its numpy view); None for
         a token outside the head's vocabulary."""
-        row = int(self.rows[token]) if 0 <= token < len(self.rows) else len(self.vocab)
+        row = self._row(token)
         return float(probs[row]) if row < len(self.vocab) else None
+
+    def _row(self, token: int) -> int:
+        """``token``'s index in the head's vocabulary; ``len(vocab)`` for a token outside it."""
+        return int(self.rows[token]) if 0 <= token < len(self.rows) else len(self.vocab)
 
     def guess(self, hidden: torch.Tensor, pending: int, k: int = 1) -> list[tuple[int, float]]:
         """The ``k`` likeliest tokens after ``pending`` (best first) with the head's probability,

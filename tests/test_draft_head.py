@@ -242,5 +242,8 @@ def test_candidates_the_head_rules_out_are_not_proposed_unless_they_copy_the_con
     assert not drafter._head_agrees(Candidate(("suffix", 0), [unlikely, 5]))
     assert drafter._head_agrees(Candidate(("context", 0), [unlikely, 5], match=4))  # a long copy
     assert not drafter._head_agrees(Candidate(("context", 0), [unlikely, 5], match=2))
+    keep_all = respec.ReSpecDrafter(ds, respec.ReSpecConfig(head=str(path), head_floor=0.0))
+    keep_all.head_probs = drafter.head_probs
+    assert keep_all._head_agrees(Candidate(("suffix", 0), [unlikely, 5]))
     with pytest.raises(ValueError, match="head_floor"):
         respec.ReSpecConfig(head_floor=1.5)

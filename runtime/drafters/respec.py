@@ -285,7 +285,7 @@ class ReSpecDrafter:
             chosen = qualified[: cfg.max_candidates]
             uncut = [c.tokens for c in chosen]  # before the cuts below (observe's resync)
             for c in chosen:
-                if cfg.context_length and c.source == "context" and c.match >= cfg.pool.max_ngram:
+                if cfg.context_length and self._long_copy(c):
                     c.tokens = c.tokens[: cfg.context_length]
                 elif cfg.length_factor > 0:
                     c.tokens = c.tokens[: self.draft_length_for(c.key, length)]
@@ -331,10 +331,14 @@ class ReSpecDrafter:
         self.head_probs = probs.numpy()  # read a few entries at a time: numpy's indexing is ~30x cheaper than torch's
         return out
 
+    def _long_copy(self, c: Candidate) -> bool:
+        """A context (prompt lookup) candidate continuing a match of the pool's longest n-gram."""
+        return c.source == "context" and c.match >= self.config.pool.max_ngram
+
     def _head_agrees(self, c: Candidate) -> bool:
         """False for a candidate whose first token the head gives less than ``head_floor`` (a
         long context copy excepted: the head does not see the context)."""
-        if not c.tokens or (c.source == "context" and c.match >= self.config.pool.max_ngram):
+        if not c.tokens or self._long_copy(c):
             return True
         p = self.head.probability(self.head_probs, c.tokens[0])
         return p is None or p >= self.config.head_floor
