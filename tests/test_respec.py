@@ -482,6 +482,12 @@ def test_unknown_option_and_missing_datastore_are_one_line_errors(own_output_sto
         make_drafter("respec", Datastore.open(store, "own", loaded.info), entropy=1.0)
     with pytest.raises(SpecstoreError, match="relaxed must be on or off"):
         make_drafter("respec", Datastore.open(store, "own", loaded.info), relaxed="maybe")
+    # the pool's switches from text too (--option respec.suffix_beside_dense=on)
+    ds = Datastore.open(store, "own", loaded.info)
+    pool = make_drafter("respec", ds, suffix_beside_dense="on", context_full_first="0", head="off").config.pool
+    assert pool.suffix_beside_dense is True and pool.context_full_first is False
+    with pytest.raises(SpecstoreError, match="suffix_beside_dense must be on or off"):
+        make_drafter("respec", ds, suffix_beside_dense="sometimes")
 
 
 @pytest.mark.model

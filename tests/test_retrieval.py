@@ -217,7 +217,7 @@ def test_pool_keys_each_source_by_offset_minus_context_length(kind):
     suffix = _index(DOCS) if kind == "plain" else _sharded(DOCS, [0, 2, 5])
     source, hidden, cont = _dense_source()
     datastore = SimpleNamespace(suffix=suffix, dense=source.index, normaliser=source.normaliser, continuations=cont)
-    pool = CandidatePool(datastore, PoolConfig(num_context=1, num_suffix=2, num_dense=2))
+    pool = CandidatePool(datastore, PoolConfig(num_context=1, num_suffix=2, num_dense=2, suffix_beside_dense=True))
     tokens = [2, 3, 4, 0, 6, 2, 3, 4]
     state = DecodeState(tokens=tokens, num_prompt=3, last_hidden=torch.tensor(hidden[5], dtype=torch.float32),
                         budget=8)
@@ -239,3 +239,24 @@ def test_pool_keys_each_source_by_offset_minus_context_length(kind):
     no_dense = SimpleNamespace(suffix=suffix, dense=None, normaliser=None, continuations=None)
     assert "dense" not in {c.source for c in CandidatePool(no_dense).gather(state, 3)}
     assert CandidatePool(datastore).gather(state, 0) == []
+
+
+def test_pool_drafts_from_the_suffix_array_only_in_steps_without_the_dense_source():
+    source, hidden, cont = _dense_source()
+    suffix = _index(DOCS)
+    datastore = SimpleNamespace(suffix=suffix, dense=source.index, normaliser=source.normaliser, continuations=cont)
+    tokens = [2, 3, 4, 0, 6, 2, 3, 4]
+    with_hidden = DecodeState(tokens=tokens, num_prompt=3, last_hidden=torch.tensor(hidden[5], dtype=torch.float32), budget=8)
+    without = DecodeState(tokens=tokens, num_prompt=3, last_hidden=None, budget=8)
+
+    def sources(config, state):
+        return {c.source for c in CandidatePool(datastore, config).gather(state, 3)}
+
+    assert sources(PoolConfig(), with_hidden) == {"context", "dense"}  # the default: dense in the suffix's place
+    assert sources(PoolConfig(suffix_beside_dense=True), with_hidden) == {"context", "suffix", "dense"}
+    assert sources(PoolConfig(), without) == {"context", "suffix"}  # no hidden state: no dense search, the suffix array
+    assert sources(PoolConfig(num_dense=0), with_hidden) == {"context", "suffix"}
+    sparse = SimpleNamespace(suffix=suffix, dense=None, normaliser=None, continuations=None)
+    assert {c.source for c in CandidatePool(sparse).gather(with_hidden, 3)} == {"context", "suffix"}
+    with pytest.raises(ValueError, match="suffix_beside_dense must be True or False"):
+        PoolConfig(suffix_beside_dense="yes")

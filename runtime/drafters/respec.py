@@ -105,6 +105,7 @@ SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
 HEAD_SIGNAL_EDGES = (0.01, 0.05, 0.2, 0.5)
 HEAD_SIGNAL_BINS = len(HEAD_SIGNAL_EDGES) + 3
 SWITCHES = ("relaxed", "source_prior", "resync", "head_signal")  # ReSpecConfig's on/off fields
+POOL_SWITCHES = ("context_full_first", "suffix_beside_dense")  # PoolConfig's
 # cost-aware buckets of fallback drafts start here, past every bucket of the pool's signal
 FALLBACK_BUCKET = SUPPORT_CAP * (len(MATCH_EDGES) + 1) * (len(SOURCE_INDEX) + 1) * HEAD_SIGNAL_BINS * (len(SCORE_EDGES) + 1)
 
@@ -457,6 +458,9 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
     for name in PoolConfig.__dataclass_fields__:  # bench's --option respec.num_dense=5 lands here
         if name in options:
             pool_options[name] = options.pop(name)
+    for name in POOL_SWITCHES:
+        if isinstance(pool_options.get(name), (str, int)) and not isinstance(pool_options[name], bool):
+            pool_options[name] = _on_off(name, str(pool_options[name]))
     known = set(ReSpecConfig.__dataclass_fields__) | set(PoolConfig.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:

@@ -10,7 +10,8 @@ no trees): ``CandidatePool.gather(state, length)`` returns ``Candidate``s from
 - ``overlay``: the distinct continuations most occurrences share, of the longest context suffix
   found in what the engine has served (overlay.py; when the engine gives the drafter one);
 - ``suffix``: the distinct continuations most occurrences share, of the longest context suffix
-  found in the datastore's suffix index (plain or sharded);
+  found in the datastore's suffix index (plain or sharded), in steps without the dense source
+  (a sparse datastore; ``PoolConfig.suffix_beside_dense`` for both);
 - ``dense``: the nearest datastore positions to ``state.last_hidden`` whose stored next token is
   the pending token (when the datastore was opened with its dense index).
 
@@ -56,7 +57,7 @@ class Candidate:
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     num_context: int = 4  # context occurrences per step (2 before 2026-12-05: BENCHMARKS.md)
-    num_suffix: int = 3  # distinct suffix-array continuations per step
+    num_suffix: int = 3  # distinct suffix-array continuations per step (a sparse datastore's, below)
     num_dense: int = 3  # dense neighbours per step (after the next-token filter)
     num_overlay: int = 3  # distinct served-overlay continuations per step
     max_ngram: int = 4  # longest context n-gram tried (pending token included)
@@ -65,6 +66,18 @@ class PoolConfig:
     min_span: int = 2
     max_matches: int = 64  # datastore occurrences read per step, spread evenly
     context_full_first: bool = True  # context continuations of full length first (False: most recent first)
+    # the suffix array's continuations also where the datastore has a dense index. Beside the
+    # dense neighbours and the context they added nothing: replayed on the tune splits of all
+    # four bench sets, with and without a draft head, MAT moved -0.5% to +0.4% without them,
+    # and their lookup cost ~0.18 ms a step (BENCHMARKS.md, twenty-fifth session). Steps
+    # without the dense source (a sparse datastore: no dense index) keep them: there they are
+    # the datastore's only source.
+    suffix_beside_dense: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("context_full_first", "suffix_beside_dense"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 def _keyed(source: str, found: list[Continuation], size: int, match: int | None = None) -> list[Candidate]:
@@ -103,11 +116,12 @@ class CandidatePool:
             sample = suffix_sample(self.overlay, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
                                    max_matches=cfg.max_matches)
             per_source.append(_keyed("overlay", ranked_drafts(sample, cfg.num_overlay), size, sample.match_length) if sample else [])
-        if self.suffix is not None and cfg.num_suffix > 0:
+        dense = self.dense is not None and state.last_hidden is not None and cfg.num_dense > 0
+        if self.suffix is not None and cfg.num_suffix > 0 and (not dense or cfg.suffix_beside_dense):
             sample = suffix_sample(self.suffix, state.tokens, length, max_span=cfg.max_span, min_span=cfg.min_span,
                                    max_matches=cfg.max_matches)
             per_source.append(_keyed("suffix", ranked_drafts(sample, cfg.num_suffix), size, sample.match_length) if sample else [])
-        if self.dense is not None and state.last_hidden is not None and cfg.num_dense > 0:
+        if dense:
             found = self.dense.search(state.last_hidden, int(state.tokens[-1]), cfg.num_dense)
             per_source.append(_keyed("dense", self.dense.drafts(found, length), size))
         return [c for rank in itertools.zip_longest(*per_source) for c in rank if c is not None]
