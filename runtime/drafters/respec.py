@@ -83,7 +83,7 @@ import torch
 from specstore.runtime import gemm
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
-from specstore.runtime.drafters.respec_pool import Candidate, CandidatePool, PoolConfig
+from specstore.runtime.drafters.respec_pool import POOL_SWITCHES, Candidate, CandidatePool, PoolConfig
 from specstore.runtime.errors import SpecstoreError
 from specstore.runtime.overlay import OverlayUse
 from specstore.runtime.relaxed import RelaxedRule
@@ -105,7 +105,6 @@ SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
 HEAD_SIGNAL_EDGES = (0.01, 0.05, 0.2, 0.5)
 HEAD_SIGNAL_BINS = len(HEAD_SIGNAL_EDGES) + 3
 SWITCHES = ("relaxed", "source_prior", "resync", "head_signal")  # ReSpecConfig's on/off fields
-POOL_SWITCHES = ("context_full_first", "suffix_beside_dense")  # PoolConfig's
 # cost-aware buckets of fallback drafts start here, past every bucket of the pool's signal
 FALLBACK_BUCKET = SUPPORT_CAP * (len(MATCH_EDGES) + 1) * (len(SOURCE_INDEX) + 1) * HEAD_SIGNAL_BINS * (len(SCORE_EDGES) + 1)
 

@@ -38,6 +38,7 @@ from specstore.runtime.retrieval import (
 )
 
 SOURCES = ("context", "overlay", "suffix", "dense")
+POOL_SWITCHES = ("context_full_first", "suffix_beside_dense")  # PoolConfig's on/off fields
 
 
 @dataclass(slots=True)
@@ -68,14 +69,14 @@ class PoolConfig:
     context_full_first: bool = True  # context continuations of full length first (False: most recent first)
     # the suffix array's continuations also where the datastore has a dense index. Beside the
     # dense neighbours and the context they added nothing: replayed on the tune splits of all
-    # four bench sets, with and without a draft head, MAT moved -0.5% to +0.4% without them,
-    # and their lookup cost ~0.18 ms a step (BENCHMARKS.md, twenty-fifth session). Steps
+    # four bench sets, with and without a draft head, MAT moved -0.8% to +0.4% without them,
+    # and their lookup cost 0.15-0.2 ms a step (BENCHMARKS.md, twenty-fifth session). Steps
     # without the dense source (a sparse datastore: no dense index) keep them: there they are
     # the datastore's only source.
     suffix_beside_dense: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("context_full_first", "suffix_beside_dense"):
+        for name in POOL_SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
