@@ -450,16 +450,12 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
     ``overlay``: a served overlay, one more pool source."""
     if datastore is None:
         raise SpecstoreError("method 'respec' needs a datastore (--datastore NAME[@VERSION|@TAG])")
-    for name in SWITCHES:  # on/off switches given as text or 0/1
-        if isinstance(options.get(name), (str, int)) and not isinstance(options[name], bool):
-            options[name] = _on_off(name, str(options[name]))
     pool_options = dict(pool or {})
     for name in PoolConfig.__dataclass_fields__:  # bench's --option respec.num_dense=5 lands here
         if name in options:
             pool_options[name] = options.pop(name)
-    for name in POOL_SWITCHES:
-        if isinstance(pool_options.get(name), (str, int)) and not isinstance(pool_options[name], bool):
-            pool_options[name] = _on_off(name, str(pool_options[name]))
+    _text_switches(options, SWITCHES)
+    _text_switches(pool_options, POOL_SWITCHES)
     known = set(ReSpecConfig.__dataclass_fields__) | set(PoolConfig.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
@@ -470,6 +466,13 @@ def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = 
 
         fallback = create_model_drafter(model=draft_model, num_draft_tokens=min(config.draft_length, 4))
     return ReSpecDrafter(datastore, config, fallback, overlay)
+
+
+def _text_switches(options: dict, names) -> None:
+    """On/off switches given as text or 0/1 (the command line's ``--option``), as booleans."""
+    for name in names:
+        if isinstance(options.get(name), (str, int)) and not isinstance(options[name], bool):
+            options[name] = _on_off(name, str(options[name]))
 
 
 def _on_off(name: str, value: str) -> bool:
