@@ -25,8 +25,13 @@ place is ``cache_dir()/heads/<model revision>.safetensors`` (``default_path``), 
 
 ``guess`` runs on the CPU in bf16 where the hardware has it (runtime/device.py), float32
 elsewhere, with packed weights (runtime/linear.py): on this project's 2-core CPU ~0.3 ms a call on
-warm caches and 0.4-0.7 ms right after a verification, 2-4% of a plain bf16 step. The guess is a draft like any other: the target verifies it, so
-a wrong or damaged head costs speed, never output.
+warm caches and 0.4-0.7 ms right after a verification, 2-4% of a plain bf16 step. Right after a
+verification the guess mostly waits on memory for its weights, and ReSpec's pool search, the other
+drafting work of a step, is Python on one core: ``guess_beside`` runs the guess on the CPU
+kernel's second OpenMP thread (the worker torch's products use, still spinning after the forward)
+while the pool searches (ReSpec's drafting 1.39 -> 1.06 ms a step on chat-large, 1.42 -> 1.06 on
+code; BENCHMARKS.md, twenty-sixth session). The guess is a draft like any other: the target
+verifies it, so a wrong or damaged head costs speed, never output.
 """
 
 from __future__ import annotations
@@ -118,6 +123,13 @@ class DraftHead:
         from specstore.runtime.linear import use_packed_linears
 
         use_packed_linears(self.infer)
+        self._kernel = None
+        from specstore.runtime import gemm
+
+        if dtype == torch.bfloat16 and gemm.has_head() and hidden % 2 == 0 and w1.shape[0] % 2 == 0:
+            f = self.infer
+            self._kernel = (gemm.pack(f["fc1h"].weight), gemm.pack(f["fc2"].weight), f["fc2"].bias.contiguous(),
+                            gemm.pack(f["out"].weight))
 
     @classmethod
     def load(cls, path: str | Path, *, expect=None, dtype: torch.dtype | None = None) -> DraftHead:
@@ -193,6 +205,30 @@ class DraftHead:
         f = self.infer
         z = h + f["fc2"](torch.nn.functional.silu(f["fc1h"](h) + self.pending_rows[self._row(pending)]))
         return torch.softmax(f["out"](z).float()[0], 0)
+
+    def guess_beside(self, fn, hidden: torch.Tensor, pending: int, k: int = 1, beside: bool = True):
+        """``fn()`` and ``guess(hidden, pending, k)`` at once: the guess on the second thread of
+        the CPU kernel's OpenMP team while this thread runs ``fn`` (bf16 where the kernel has it
+        and torch runs two threads or more; csrc/small_gemm.c: specstore_head_beside). Right
+        after a verification the guess waits on memory for its weights while ReSpec's pool
+        search (``fn``) is Python: side by side, a step's drafting costs the longer of the two.
+        Elsewhere, or without ``beside``, ``fn()`` and then the guess torch's way. Returns
+        ``(fn's result, the distribution as numpy float32 [V'], the k likeliest [(token,
+        probability)], best first)``. The kernel rounds as the torch path does but sums in its
+        own order: probabilities agree to bf16's rounding, not bits (tests/test_draft_head.py)."""
+        if beside and self._kernel is not None and k <= 64 and torch.get_num_threads() >= 2:
+            from specstore.runtime import gemm
+
+            h = hidden.detach().reshape(-1).to(device="cpu", dtype=self.dtype).contiguous()
+            fc1, fc2, b2, out = self._kernel
+            probs, top = np.empty(len(self.vocab), dtype=np.float32), np.empty(k, dtype=np.int64)
+            ran, value = gemm.head_beside(fn, h, self.pending_rows[self._row(pending)], fc1, fc2, b2, out,
+                                          len(self.vocab), probs, top)
+            if ran:
+                return value, probs, [(int(self.vocab[i]), float(probs[i])) for i in top.tolist() if i >= 0]
+        value = fn()
+        probs = self.distribution(hidden, pending)
+        return value, probs.numpy(), self.top(probs, k)
 
     def top(self, probs: torch.Tensor, k: int) -> list[tuple[int, float]]:
         """The ``k`` likeliest tokens of a ``distribution`` (best first) with their probabilities."""

@@ -190,6 +190,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if lib.dense:
         lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
         lib.specstore_dense_top.restype = i64
+    lib.head = bool(lib.specstore_gemm_features() & 32)
+    if lib.head:
+        lib.specstore_head_beside.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p]
+        lib.specstore_head_beside.restype = i32
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -378,6 +382,54 @@ def has_dense(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the loaded kernel has the one-call dense search (``dense_top``)."""
     lib = lib or library()
     return bool(lib is not None and getattr(lib, "dense", False))
+
+
+def has_head(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded kernel has the draft head's guess beside other work (``head_beside``)."""
+    lib = lib or library()
+    return bool(lib is not None and getattr(lib, "head", False))
+
+
+HEAD_MAX_K = 64  # csrc/small_gemm.c
+_BESIDE = ctypes.CFUNCTYPE(None)
+
+
+def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                b2: torch.Tensor | None, out: torch.Tensor, vocab: int, probs: np.ndarray, top: np.ndarray):
+    """A draft head's guess on the OpenMP runtime's second thread while this one runs ``fn()``
+    (csrc/small_gemm.c: specstore_head_beside; runtime/draft_head.py: DraftHead.guess_beside):
+    ``hidden`` [H] and ``pending`` [I] bf16, the three weights as ``pack`` gives them (bf16 pair
+    panels), ``b2`` [H] bf16 or None; the probabilities go to ``probs`` (float32 [vocab]) and the
+    ``len(top)`` likeliest indices to ``top`` (int64, -1 past the last). Returns ``(True,
+    fn())``; ``(False, None)`` where the kernel does not take the call (nothing run). What ``fn``
+    raises is raised here, after the guess is done."""
+    lib = library()
+    if not has_head(lib) or not 0 <= len(top) <= HEAD_MAX_K:
+        return False, None
+    tensors = (hidden, pending, fc1, fc2, out) + (() if b2 is None else (b2,))
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False, None
+    h, i = hidden.numel(), pending.numel()
+    if (h % 2 or i % 2 or probs.dtype != np.float32 or top.dtype != np.int64 or probs.shape != (vocab,)
+            or fc1.shape != (-(-i // NB), h // 2, NB, 2) or fc2.shape != (-(-h // NB), i // 2, NB, 2)
+            or out.shape != (-(-vocab // NB), h // 2, NB, 2) or (b2 is not None and b2.numel() != h)):
+        return False, None
+    box = []
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # raised below, on this side of the C call
+            box.append((False, exc))
+
+    if lib.specstore_head_beside(_BESIDE(run), hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(), fc2.data_ptr(),
+                                 None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i, vocab, len(top),
+                                 probs.ctypes.data, top.ctypes.data) != 0:
+        return False, None
+    done, value = box[0]
+    if not done:
+        raise value
+    return True, value
 
 
 def dense_top(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, scales: np.ndarray | None,

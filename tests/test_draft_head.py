@@ -186,6 +186,69 @@ def test_a_heads_distribution_gives_its_guesses_and_any_tokens_probability(head_
     assert head.probability(probs, outside) is None and head.probability(probs, -1) is None
 
 
+def _kernel_head(head):
+    from specstore.runtime import gemm
+
+    if not gemm.has_head() or head._kernel is None or torch.get_num_threads() < 2:
+        pytest.skip(f"no CPU kernel head here ({gemm.unavailable_reason() or 'not bf16, or one thread'})")
+
+
+def test_the_heads_guess_beside_other_work_is_its_guess(head_setup):
+    """``guess_beside``: the kernel's guess on the second thread while ``fn`` runs on this one
+    gives what ``fn`` gives and the head's distribution to bf16's rounding (the same likeliest
+    token wherever it leads by more than a rounding); ``beside=False`` is torch's guess exactly."""
+    _, _, _, head, data, _ = head_setup
+    _kernel_head(head)
+    same, positions = 0, range(0, len(data["target"]), 4)
+    for i in positions:
+        h, pending = data["hidden"][i], int(data["pending"][i])
+        want = head.distribution(h, pending)
+        value, probs, top = head.guess_beside(lambda i=i: i * 3, h, pending, 3)
+        assert value == i * 3 and probs.dtype == np.float32 and probs.shape == (len(head.vocab),)
+        assert abs(float(probs.sum()) - 1.0) < 1e-4
+        assert np.allclose(probs, want.numpy(), rtol=0.05, atol=1e-5)
+        assert len(top) == 3 and [p for _, p in top] == sorted((p for _, p in top), reverse=True)
+        assert all(p == pytest.approx(float(probs[head._row(t)])) for t, p in top)
+        same += top[0][0] == head.top(want, 1)[0][0]
+        assert head.guess_beside(lambda: None, h, pending, 3, beside=False)[2] == head.top(want, 3)
+    assert same >= 0.9 * len(positions), (same, len(positions))
+
+
+def test_what_runs_beside_the_heads_guess_raises_after_it(head_setup):
+    _, _, _, head, data, _ = head_setup
+    _kernel_head(head)
+    h, pending = data["hidden"][1], int(data["pending"][1])
+
+    def fails():
+        raise KeyError("from the pool")
+
+    with pytest.raises(KeyError, match="from the pool"):
+        head.guess_beside(fails, h, pending, 2)
+    assert head.guess_beside(lambda: "again", h, pending, 2)[0] == "again"
+
+
+def test_respec_runs_the_heads_guess_beside_its_pool_unless_told_not_to(head_setup, monkeypatch):
+    """With ``head_thread`` (the default) every retrieving step's head guess goes through the
+    kernel beside the pool's search; ``head_thread=off`` never does. Both identical to ar."""
+    from specstore.runtime import gemm
+
+    store, loaded, ar, head, _, path = head_setup
+    _kernel_head(head)
+    calls = []
+    real = gemm.head_beside
+    monkeypatch.setattr(gemm, "head_beside", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ds = Datastore.open(store, "own", loaded.info)
+    for thread, expect_calls in (("on", True), ("off", False)):
+        calls.clear()
+        drafter = make_drafter("respec", ds, head=str(path), entropy_threshold=math.inf, max_candidates=8, head_thread=thread)
+        head_steps = 0
+        for prompt, expected in list(ar.items())[:3]:
+            assert generate(loaded.model, loaded.tokenizer, prompt, drafter, max_new_tokens=len(expected)).token_ids == expected
+            head_steps += drafter.stats()["head_steps"]
+        assert head_steps > 0
+        assert (len(calls) >= head_steps) if expect_calls else not calls
+
+
 def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setup):
     """With a head, every first draft token (whatever its source) gets the head's probability as
     its prior and, binned, a calibration cell of its own; deeper nodes keep the score's prior.

@@ -19,6 +19,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -348,7 +349,7 @@ void specstore_move_rows(char *const *bufs, int64_t nbufs, int64_t heads, int64_
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 31; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary */
+int specstore_gemm_features(void) { return 63; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -965,6 +966,122 @@ int64_t specstore_dense_top(const void *hidden, int hidden_bf16, int64_t hsize, 
     for (int t = 0; t < parts; t++)
         for (int64_t i = 0; i < part_count[t]; i++) top_insert(part_scores[t][i], part_idx[t][i], k, &count, idx, scores);
     return count;
+}
+/* The draft head's guess (runtime/draft_head.py: DraftHead.guess_beside), bf16, beside other work.
+ *
+ * Right after a verification every weight the head reads (~6 MB: fc1's hidden half, fc2, the
+ * output rows) comes from memory, ~0.3-0.4 ms on one core of this project's CPU, while the
+ * decoding thread's own drafting work (ReSpec's pool: prompt lookup, the dense search) is
+ * Python and leaves the second core idle: specstore_head_beside runs the two side by side. The
+ * same arithmetic as the torch path,
+ * rounded to bf16 where it rounds:
+ *   a = bf16(fc1h h), t = bf16(a + pending), u = bf16(silu(t)),
+ *   z = bf16(h + bf16(fc2 u + b2)), logits = bf16(out z), probs = softmax(logits) in float32;
+ * each product accumulates in float32, one dot-product step per pair of k (block_dp), so sums
+ * agree with oneDNN's to rounding, not bits. The k likeliest (probability descending, ties to
+ * the lower index) go to top. Weights as gemm.pack gives them (pair panels); hidden and inner
+ * even. */
+#define HEAD_MAX_K 64
+
+typedef struct {
+    const uint16_t *h, *pending, *fc1, *fc2, *b2, *out;
+    int64_t hidden, inner, vocab, k;
+    float *probs;
+    int64_t *top;
+    uint16_t *u, *z;
+    float *y;
+} head_job;
+
+/* y [n] = W x for one bf16 row x [k] over pair panels: HEAD_PANELS panels at a time, each its own
+ * chain of dot products (one chain alone waits on the instruction's latency); in each output the
+ * pairs of k in increasing order, as block_dp sums them */
+#define HEAD_PANELS 6
+static void matvec_dp(const uint16_t *x, const uint16_t *panel, int64_t n, int64_t k, float *y) {
+    const int64_t steps = k / 2, panels = (n + NB - 1) / NB;
+    for (int64_t b0 = 0; b0 < panels; b0 += HEAD_PANELS) {
+        const int g = panels - b0 < HEAD_PANELS ? (int)(panels - b0) : HEAD_PANELS;
+        __m512 a[HEAD_PANELS];
+        const uint16_t *p[HEAD_PANELS];
+        for (int t = 0; t < HEAD_PANELS; t++) {
+            a[t] = _mm512_setzero_ps();
+            p[t] = panel + (b0 + (t < g ? t : 0)) * steps * 2 * NB;
+        }
+        for (int64_t kk = 0; kk < steps; kk++) {
+            int32_t pair;
+            memcpy(&pair, x + 2 * kk, sizeof pair);
+            const __m512bh v = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 6
+            for (int t = 0; t < HEAD_PANELS; t++)
+                a[t] = _mm512_dpbf16_ps(a[t], v, (__m512bh)_mm512_loadu_si512((const void *)(p[t] + kk * 2 * NB)));
+        }
+        for (int t = 0; t < g; t++) {
+            float acc[NB];
+            _mm512_storeu_ps(acc, a[t]);
+            const int64_t b = b0 + t, cols = n - b * NB < NB ? n - b * NB : NB;
+            memcpy(y + b * NB, acc, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+static inline float round_to_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+static void head_run(head_job *j) {
+    const int64_t H = j->hidden, I = j->inner, V = j->vocab;
+    matvec_dp(j->h, j->fc1, I, H, j->y);
+    for (int64_t i = 0; i < I; i++) {
+        float t = round_to_bf16(round_to_bf16(j->y[i]) + bf16_to_f32(j->pending[i]));
+        j->u[i] = f32_to_bf16(t / (1.0f + expf(-t)));
+    }
+    matvec_dp(j->u, j->fc2, H, I, j->y);
+    for (int64_t i = 0; i < H; i++) {
+        float r = round_to_bf16(j->y[i] + (j->b2 ? bf16_to_f32(j->b2[i]) : 0.0f));
+        j->z[i] = f32_to_bf16(bf16_to_f32(j->h[i]) + r);
+    }
+    float *p = j->probs;
+    matvec_dp(j->z, j->out, V, H, p);
+    for (int64_t i = 0; i < V; i++) p[i] = round_to_bf16(p[i]);
+    const float best = max_list(p, V);
+    const float sum = exp_list(p, V, best);
+    const __m512 scale = _mm512_set1_ps(1.0f / sum);
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) _mm512_storeu_ps(p + i, _mm512_mul_ps(_mm512_loadu_ps(p + i), scale));
+    for (; i < V; i++) p[i] /= sum;
+    int64_t count = 0;
+    float scores[HEAD_MAX_K];
+    for (i = 0; i < V; i++) top_insert(p[i], i, j->k, &count, j->top, scores);
+    for (i = count; i < j->k; i++) j->top[i] = -1;
+}
+
+/* Runs the guess on the second thread of an OpenMP team of two while the calling thread runs
+ * ``beside`` (a Python callback through ctypes: ReSpec's pool search), and returns when both are
+ * done. The second thread is the runtime's own worker, the one torch's products use: right after
+ * a forward it is still spinning, waiting for work, and a thread of our own would share its core
+ * with it. With one thread (torch.set_num_threads(1), nested teams) the guess runs first, then
+ * ``beside``. Returns 0, or -1 for arguments the kernel does not take (nothing run). */
+typedef void (*beside_fn)(void);
+
+int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *pending, const uint16_t *fc1,
+                          const uint16_t *fc2, const uint16_t *b2, const uint16_t *out, int64_t hidden, int64_t inner,
+                          int64_t vocab, int64_t k, float *probs, int64_t *top) {
+    if (hidden <= 0 || inner <= 0 || vocab <= 0 || (hidden | inner) & 1 || k < 0 || k > HEAD_MAX_K) return -1;
+    const int64_t wide = hidden > inner ? hidden : inner;
+    float *y = malloc((size_t)wide * sizeof(float) + (size_t)(hidden + inner) * sizeof(uint16_t));
+    if (!y) return -1;
+    head_job j = {h, pending, fc1, fc2, b2, out, hidden, inner, vocab, k, probs, top,
+                  (uint16_t *)(y + wide), (uint16_t *)(y + wide) + inner, y};
+#pragma omp parallel num_threads(2)
+    {
+        if (omp_get_num_threads() < 2) {
+            head_run(&j);
+            if (beside) beside();
+        } else if (omp_get_thread_num() == 1) {
+            head_run(&j);
+        } else if (beside) {
+            beside();
+        }
+    }
+    free(y);
+    return 0;
 }
 #else
 int specstore_gemm_features(void) { return 0; }

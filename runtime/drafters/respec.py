@@ -104,7 +104,7 @@ SUPPORT_CAP = 3  # candidates through a node: 1, 2, or 3 and more
 # vocabulary and one for every other node (deeper, or no head this step)
 HEAD_SIGNAL_EDGES = (0.01, 0.05, 0.2, 0.5)
 HEAD_SIGNAL_BINS = len(HEAD_SIGNAL_EDGES) + 3
-SWITCHES = ("relaxed", "source_prior", "resync", "head_signal")  # ReSpecConfig's on/off fields
+SWITCHES = ("relaxed", "source_prior", "resync", "head_signal", "head_thread")  # ReSpecConfig's on/off fields
 # cost-aware buckets of fallback drafts start here, past every bucket of the pool's signal
 FALLBACK_BUCKET = SUPPORT_CAP * (len(MATCH_EDGES) + 1) * (len(SOURCE_INDEX) + 1) * HEAD_SIGNAL_BINS * (len(SCORE_EDGES) + 1)
 
@@ -153,6 +153,10 @@ class ReSpecConfig:
     # pruned away almost always, cost drafting time and blurred the calibration (0: keep all;
     # 0.0001-0.003 replayed alike, BENCHMARKS.md, twenty-fourth session)
     head_floor: float = 0.001
+    # the head's guess beside the pool's search, on the other core (DraftHead.guess_beside, where
+    # the CPU kernel has it): right after a verification the guess waits on memory for its
+    # weights while the search is Python
+    head_thread: bool = True
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -275,9 +279,10 @@ class ReSpecDrafter:
         if length <= 0:
             return DraftTree.empty()
         if self.triggers(state):
-            candidates = self.pool.gather(state, min(max(cfg.draft_length, cfg.context_length), state.budget))
+            want = min(max(cfg.draft_length, cfg.context_length), state.budget)
+            candidates, head = self.gather_with_head(state, lambda: self.pool.gather(state, want))
             candidates += self.resync
-            candidates += self.head_candidates(state)
+            candidates += head
             qualified = [c for c in candidates if self.score(c.key) >= cfg.score_threshold]
             if cfg.head_floor > 0 and cfg.head_signal and self.head_probs is not None:
                 qualified = [c for c in qualified if self._head_agrees(c)]
@@ -316,20 +321,20 @@ class ReSpecDrafter:
         tree.node_data["bucket"] = FALLBACK_BUCKET + (np.zeros(len(tree), dtype=np.int64) if own is None else own)
         return tree
 
-    def head_candidates(self, state: DecodeState) -> list[Candidate]:
-        """The head's ``head_guesses`` likeliest tokens after the pending one, one candidate of
-        one token each (key ``("head", rank)``; its probability, binned by HEAD_EDGES, in the
-        match's place). None at all without a head or a hidden state. The head's whole
-        distribution is kept as ``head_probs`` for this step's signal."""
+    def gather_with_head(self, state: DecodeState, gather) -> tuple[list[Candidate], list[Candidate]]:
+        """``gather()`` (the pool's candidates) and the head's: its ``head_guesses`` likeliest
+        tokens after the pending one, one candidate of one token each (key ``("head", rank)``;
+        its probability, binned by HEAD_EDGES, in the match's place); none without a head or a
+        hidden state. With ``head_thread`` the guess runs beside the gather, on the other core
+        (``DraftHead.guess_beside``). The head's whole distribution is kept as ``head_probs`` for
+        this step's signal (numpy: its indexing is ~30x cheaper than torch's)."""
         self.head_probs = None
         if self.head is None or state.last_hidden is None or not state.tokens:
-            return []
-        out = []
-        probs = self.head.distribution(state.last_hidden, int(state.tokens[-1]))
-        for rank, (token, p) in enumerate(self.head.top(probs, self.config.head_guesses)):
-            out.append(Candidate(("head", rank), [token], HEAD_MATCH[bisect.bisect_right(HEAD_EDGES, p)]))
-        self.head_probs = probs.numpy()  # read a few entries at a time: numpy's indexing is ~30x cheaper than torch's
-        return out
+            return gather(), []
+        found, self.head_probs, top = self.head.guess_beside(gather, state.last_hidden, int(state.tokens[-1]),
+                                                             self.config.head_guesses, self.config.head_thread)
+        return found, [Candidate(("head", rank), [token], HEAD_MATCH[bisect.bisect_right(HEAD_EDGES, p)])
+                       for rank, (token, p) in enumerate(top)]
 
     def _long_copy(self, c: Candidate) -> bool:
         """A context (prompt lookup) candidate continuing a match of the pool's longest n-gram."""
