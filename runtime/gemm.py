@@ -391,7 +391,20 @@ def has_head(lib: ctypes.CDLL | None = None) -> bool:
 
 
 HEAD_MAX_K = 64  # csrc/small_gemm.c
-_BESIDE = ctypes.CFUNCTYPE(None)
+_beside = threading.local()  # what the one callback below runs on this thread, and what it gave
+
+
+def _run_beside() -> None:
+    try:
+        _beside.result = (True, _beside.fn())
+    except BaseException as exc:  # raised by head_beside, on this side of the C call
+        _beside.result = (False, exc)
+
+
+# one ctypes callback for every call, made once: a callback made per call (a libffi closure
+# allocated and freed each time) slowed the next verification forward by 0.2-0.7 ms a step here,
+# more than the guess beside the search saved (BENCHMARKS.md, twenty-sixth session)
+_BESIDE_CALLBACK = ctypes.CFUNCTYPE(None)(_run_beside)
 
 
 def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
@@ -414,19 +427,18 @@ def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tens
             or fc1.shape != (-(-i // NB), h // 2, NB, 2) or fc2.shape != (-(-h // NB), i // 2, NB, 2)
             or out.shape != (-(-vocab // NB), h // 2, NB, 2) or (b2 is not None and b2.numel() != h)):
         return False, None
-    box = []
-
-    def run():
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:  # raised below, on this side of the C call
-            box.append((False, exc))
-
-    if lib.specstore_head_beside(_BESIDE(run), hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(), fc2.data_ptr(),
-                                 None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i, vocab, len(top),
-                                 probs.ctypes.data, top.ctypes.data) != 0:
+    outer = getattr(_beside, "fn", None), getattr(_beside, "result", None)  # a call from inside fn nests
+    _beside.fn, _beside.result = fn, None
+    try:
+        status = lib.specstore_head_beside(_BESIDE_CALLBACK, hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(),
+                                           fc2.data_ptr(), None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i,
+                                           vocab, len(top), probs.ctypes.data, top.ctypes.data)
+        result = _beside.result
+    finally:
+        _beside.fn, _beside.result = outer
+    if status != 0:
         return False, None
-    done, value = box[0]
+    done, value = result
     if not done:
         raise value
     return True, value
