@@ -214,7 +214,7 @@ def test_the_heads_guess_beside_other_work_is_its_guess(head_setup):
     assert same >= 0.9 * len(positions), (same, len(positions))
 
 
-def test_what_runs_beside_the_heads_guess_raises_after_it(head_setup):
+def test_what_runs_beside_the_heads_guess_raises_after_it_and_calls_nest(head_setup):
     _, _, _, head, data, _ = head_setup
     _kernel_head(head)
     h, pending = data["hidden"][1], int(data["pending"][1])
@@ -225,6 +225,9 @@ def test_what_runs_beside_the_heads_guess_raises_after_it(head_setup):
     with pytest.raises(KeyError, match="from the pool"):
         head.guess_beside(fails, h, pending, 2)
     assert head.guess_beside(lambda: "again", h, pending, 2)[0] == "again"
+    # a guess beside work that itself guesses beside other work: each call gets its own result
+    inner = head.guess_beside(lambda: head.guess_beside(lambda: "inner", h, pending, 2), h, pending, 2)
+    assert inner[0][0] == "inner" and inner[0][2] == inner[2]
 
 
 def test_respec_runs_the_heads_guess_beside_its_pool_unless_told_not_to(head_setup, monkeypatch):
