@@ -155,6 +155,32 @@ def test_a_method_variant_runs_beside_its_method_with_its_own_options(bench_setu
     assert max(r.num_drafted - 2 * (r.steps - 1) for r in result.prompts if r.method == "rest") > 0  # rest's own cap is wider
 
 
+def test_bench_times_nothing_before_the_datastore_prefetch_ends(bench_setup, monkeypatch):
+    """The bench opens its datastore with ``prefetch`` and waits for every prefetch thread
+    before its warm-up and the first prompt: a cold page or a block's index read is not decoding
+    speed."""
+    folder, model, _, _ = bench_setup
+    opened, seen = [], []
+    real_open, real_run = Datastore.open.__func__, runner._run_method
+
+    def open_(cls, *args, **kwargs):
+        ds = real_open(cls, *args, **kwargs)
+        opened.append((kwargs.get("prefetch"), ds))
+        return ds
+
+    def run(*args, **kwargs):
+        seen.append([t.is_alive() for t in opened[0][1].prefetching])
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(Datastore, "open", classmethod(open_))
+    monkeypatch.setattr(runner, "_run_method", run)
+    run_bench(store=str(folder / "store"), datastore="code", questions=str(folder / "questions.jsonl"),
+              methods=["rest"], limit=1, max_new_tokens=4, model=str(model), dtype="float32", device="cpu",
+              progress=False, cost_aware="off")
+    assert [p for p, _ in opened] == [True]
+    assert seen and seen[0] and not any(alive for alive in seen[0])  # threads started, all ended before the first prompt
+
+
 def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
     from specstore.runtime.cli import main
 

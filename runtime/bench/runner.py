@@ -228,8 +228,14 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     lm = load_model(model, dtype=dtype, device=device)
     ds = None
     if with_datastore:
+        # prefetched, and the prefetch waited for, before any timing: a first search that faults in
+        # the index's pages or reads a block's approximate index from disk (~0.1 s for the largest)
+        # is a cold start, not decoding speed (the warm-up below), and SuffixDecoding's reference
+        # builds its whole tree before the first prompt as well
         ds = Datastore.open(store, datastore, model_info=lm.info, dense=needs_dense(bases),
-                            device=next(lm.model.parameters()).device)
+                            device=next(lm.model.parameters()).device, prefetch=True)
+        for thread in ds.prefetching:
+            thread.join()
     labels = drafter_labels(methods, cost_aware)
     if cost is None and any(aware for _, aware in labels.values()):
         from specstore.runtime.cost import load_cost_model
