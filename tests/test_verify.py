@@ -82,6 +82,28 @@ def test_clip_depth_keeps_every_per_node_field_consistent():
         tree.subset(np.arange(n) != 0)  # drops node 0 but keeps its child
 
 
+def test_take_is_subset_for_every_parent_closed_choice():
+    """``take`` (the pruner's) builds the same tree as ``subset`` from the same kept nodes, in
+    whatever order they are given: tokens, parents, per-node fields, paths and meta."""
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        paths = [rng.integers(0, 4, size=int(rng.integers(1, 6))).tolist() for _ in range(int(rng.integers(1, 6)))]
+        tree = DraftTree.from_paths(paths)
+        tree.node_data["bucket"] = rng.integers(0, 50, size=len(tree))
+        tree.node_data["prior"] = rng.random(len(tree))
+        tree.meta["candidate_keys"] = [("k", i) for i in range(len(paths))]
+        keep = np.zeros(len(tree), dtype=bool)
+        for node, parent in enumerate(tree.parents.tolist()):  # a random parent-closed set
+            keep[node] = (parent < 0 or keep[parent]) and rng.random() < 0.7
+        nodes = np.flatnonzero(keep).tolist()
+        rng.shuffle(nodes)
+        a, b = tree.subset(keep), tree.take(nodes)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert b.tokens.dtype == a.tokens.dtype == np.int64 and b.parents.dtype == np.int64
+        assert all(np.array_equal(a.node_data[k], b.node_data[k]) for k in a.node_data) and a.node_data.keys() == b.node_data.keys()
+        assert a.paths == b.paths and a.meta == b.meta and b.meta is not tree.meta
+
+
 @pytest.mark.parametrize("family,attn", CASES)
 def test_tree_logits_match_per_path_forward(family, attn):
     model, _ = tiny_lm(family, attn)

@@ -194,10 +194,17 @@ def _buckets(tree: DraftTree) -> np.ndarray:
 
 def path_probabilities(tree: DraftTree, p: np.ndarray) -> np.ndarray:
     """Product of ``p`` along each node's path (parents come before children)."""
-    out = np.empty(len(tree))
+    return np.array(_path_list(tree, p), dtype=float)
+
+
+def _path_list(tree: DraftTree, p) -> list[float]:
+    """``path_probabilities`` as Python floats (the same products: a node's own probability
+    times its parent's path), without numpy's per-element cost on a proposal's few dozen nodes."""
+    p = p.tolist() if isinstance(p, np.ndarray) else list(p)
+    q: list[float] = []
     for i, parent in enumerate(tree.parents.tolist()):
-        out[i] = p[i] * (1.0 if parent < 0 else out[parent])
-    return out
+        q.append(p[i] * (1.0 if parent < 0 else q[parent]))
+    return q
 
 
 def best_size(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None = None,
@@ -209,7 +216,7 @@ def best_size(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | No
     n = len(tree)
     if n == 0:
         return np.zeros(0, dtype=np.int64), 0, 1.0
-    q = path_probabilities(tree, p).tolist()
+    q = _path_list(tree, p)
     depths = tree.depth_list()
     order = sorted(range(n), key=lambda i: (-q[i], depths[i], i))  # parents first on ties: prefix-closed
     prices = cost.relative_upto(n, context)
@@ -229,9 +236,7 @@ def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None =
     order, k, _ = best_size(tree, p, cost, context, overhead)
     if k == len(tree):
         return tree
-    keep = np.zeros(len(tree), dtype=bool)
-    keep[order[:k]] = True
-    return tree.subset(keep)
+    return tree.take(order[:k].tolist())
 
 
 class CostAwareDrafter:
