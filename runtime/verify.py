@@ -151,7 +151,8 @@ class TreeVerifier:
         use_fused_elementwise(model)  # bf16 CPU norms and MLP middles in one kernel call each (fused.py)
         self.sampling = sampling or Sampling()
         self.cache = growing_cache(model.config)  # appends in place (kv_cache.py)
-        self.device = next(model.parameters()).device
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype  # the mask's dtype, asked once (each ask walks the modules)
         self.vocab_size = _vocab_size(model)  # the decode loop drops drafted ids outside it
         self.tree_attention = supports_tree_attention(model, self.cache)
         if not self.tree_attention:
@@ -188,8 +189,7 @@ class TreeVerifier:
         if len(tree) == 0:  # plain decoding: the model's own causal mask and positions
             logits, hidden = self._forward(ids, self.cache)
             return logits[0], hidden[0]
-        dtype = next(self.model.parameters()).dtype
-        positions, mask = tree_attention_inputs(tree, self.num_cached, dtype, self.device, pad)
+        positions, mask = tree_attention_inputs(tree, self.num_cached, self.dtype, self.device, pad)
         logits, hidden = self._forward(ids, self.cache, attention_mask=mask, position_ids=positions)
         if pad:
             self.cache.crop(-pad)  # transformers 5.x: negative = tokens to remove
