@@ -7,6 +7,13 @@ seconds, summed over the prompts) with a 95% interval from resampling the prompt
 prompts for both sides (so that load which hit one prompt hits both sides of its ratio).
 
     python benchmarks/paired_ratio.py code_id.json [--a respec] [--b suffixdecoding] [--resamples 2000]
+
+``--drafting-like C`` asks what the ratio would have been had ``a``'s drafting cost, a step,
+what method ``C``'s did on the same prompt (``none``: no drafting at all): each of ``a``'s
+records keeps its steps and verification seconds, and its drafting seconds become its steps
+times ``C``'s drafting seconds a step (BENCHMARKS.md, twenty-seventh session).
+
+    python benchmarks/paired_ratio.py chat_large.json --drafting-like suffixdecoding
 """
 
 from __future__ import annotations
@@ -28,6 +35,30 @@ def paired(prompts, a: str, b: str) -> list[tuple]:
     return [(v[b], v[a]) for v in by_prompt.values() if a in v and b in v]
 
 
+def repriced(prompts, a: str, like: str) -> list:
+    """``prompts`` with each of ``a``'s records' wall seconds as if its drafting had cost, a
+    step, what ``like``'s did on the same prompt and turn (``like`` "none": nothing); a record of
+    ``a`` whose prompt ``like`` did not run is left out."""
+    by_prompt: dict[tuple, dict] = {}
+    for r in prompts:
+        by_prompt.setdefault((r.prompt_id, r.turn), {})[r.method] = r
+    out = []
+    for r in prompts:
+        if r.method != a:
+            out.append(r)
+            continue
+        if like == "none":
+            per_step = 0.0
+        else:
+            other = by_prompt[(r.prompt_id, r.turn)].get(like)
+            if other is None:
+                continue
+            per_step = other.drafting_s / max(other.steps, 1)
+        out.append(r.model_copy(update={"wall_s": r.wall_s - r.drafting_s + r.steps * per_step,
+                                        "drafting_s": r.steps * per_step}))
+    return out
+
+
 def ratio(pairs: list[tuple]) -> float:
     """Pooled tokens/s of the pairs' second records over their first ones'."""
     cols = [[r.wall_s for r, _ in pairs], [r.num_tokens for r, _ in pairs],
@@ -41,9 +72,14 @@ def main() -> int:
     p.add_argument("--a", default="respec", help="the method on top (default respec)")
     p.add_argument("--b", default="suffixdecoding", help="the method below (default suffixdecoding)")
     p.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES, help="bootstrap resamples of the prompts")
+    p.add_argument("--drafting-like", metavar="METHOD",
+                   help="price a's drafting a step as METHOD's on the same prompt ('none': no drafting): what the ratio would be")
     args = p.parse_args()
     try:
-        pairs = paired(load_result(args.result).prompts, args.a, args.b)
+        prompts = load_result(args.result).prompts
+        if args.drafting_like:
+            prompts = repriced(prompts, args.a, args.drafting_like)
+        pairs = paired(prompts, args.a, args.b)
     except SpecstoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -52,7 +88,8 @@ def main() -> int:
         return 2
     interval = bootstrap_speedup(pairs, resamples=args.resamples)
     shown = "" if interval is None else f" [{interval[0]:.3f}, {interval[1]:.3f}]"
-    print(f"{args.a} / {args.b} tokens/s: {ratio(pairs):.3f}{shown} (95%, {len(pairs)} prompts)")
+    priced = f", {args.a}'s drafting priced as {args.drafting_like}'s" if args.drafting_like else ""
+    print(f"{args.a} / {args.b} tokens/s: {ratio(pairs):.3f}{shown} (95%, {len(pairs)} prompts{priced})")
     return 0
 
 

@@ -86,3 +86,25 @@ def test_paired_ratio_pools_tokens_per_second_over_paired_prompts(tmp_path):
     missing = subprocess.run([sys.executable, str(BENCHMARKS / "paired_ratio.py"), str(path), "--a", "a", "--b", "c"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "no prompt" in missing.stderr
+
+
+def test_paired_ratio_reprices_drafting_per_step_of_the_same_prompt():
+    """``--drafting-like C``: a's records keep their steps and verification, their drafting
+    becomes their steps times C's drafting a step on the same prompt; "none" drops it."""
+    from specstore.schemas.bench import PromptRecord
+
+    mod = _load("paired_ratio")
+
+    def rec(method, pid, steps, wall, drafting):
+        return PromptRecord(method=method, prompt_id=str(pid), category="c", num_tokens=100, steps=steps,
+                            accepted_per_step=[1] * steps, num_drafted=0, num_accepted=0, wall_s=wall,
+                            drafting_s=drafting, verifying_s=wall - drafting)
+
+    # prompt 1: a drafts 0.5 s over 50 steps, c 0.1 s over 100 steps (1 ms a step): a's would be 0.05 s
+    prompts = [rec("a", 1, 50, 2.0, 0.5), rec("c", 1, 100, 3.0, 0.1), rec("a", 2, 10, 1.0, 0.2)]
+    like = mod.repriced(prompts, "a", "c")
+    assert [(r.method, r.prompt_id) for r in like] == [("a", "1"), ("c", "1")]  # a's prompt 2: c did not run it
+    assert abs(like[0].wall_s - (2.0 - 0.5 + 0.05)) < 1e-12 and abs(like[0].drafting_s - 0.05) < 1e-12
+    assert like[1] is prompts[1] and prompts[0].wall_s == 2.0  # others as they were, the input untouched
+    none = mod.repriced(prompts, "a", "none")
+    assert [r.wall_s for r in none] == [1.5, 3.0, 0.8]
