@@ -29,19 +29,22 @@ from specstore.runtime.errors import SpecstoreError
 def paired(prompts, a: str, b: str) -> list[tuple]:
     """``(b's record, a's record)`` of each prompt (and turn) both methods ran: the bench's own
     (reference, method) pairs, so metrics.py's speedup and its bootstrap apply as they are."""
-    by_prompt: dict[tuple, dict] = {}
+    return [(v[b], v[a]) for v in by_prompt(prompts).values() if a in v and b in v]
+
+
+def by_prompt(prompts) -> dict[tuple, dict]:
+    """Each (prompt, turn)'s records, by method."""
+    out: dict[tuple, dict] = {}
     for r in prompts:
-        by_prompt.setdefault((r.prompt_id, r.turn), {})[r.method] = r
-    return [(v[b], v[a]) for v in by_prompt.values() if a in v and b in v]
+        out.setdefault((r.prompt_id, r.turn), {})[r.method] = r
+    return out
 
 
 def repriced(prompts, a: str, like: str) -> list:
     """``prompts`` with each of ``a``'s records' wall seconds as if its drafting had cost, a
     step, what ``like``'s did on the same prompt and turn (``like`` "none": nothing); a record of
     ``a`` whose prompt ``like`` did not run is left out."""
-    by_prompt: dict[tuple, dict] = {}
-    for r in prompts:
-        by_prompt.setdefault((r.prompt_id, r.turn), {})[r.method] = r
+    records = by_prompt(prompts)
     out = []
     for r in prompts:
         if r.method != a:
@@ -50,7 +53,7 @@ def repriced(prompts, a: str, like: str) -> list:
         if like == "none":
             per_step = 0.0
         else:
-            other = by_prompt[(r.prompt_id, r.turn)].get(like)
+            other = records[(r.prompt_id, r.turn)].get(like)
             if other is None:
                 continue
             per_step = other.drafting_s / max(other.steps, 1)

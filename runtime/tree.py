@@ -121,9 +121,9 @@ class DraftTree:
 
     def take(self, nodes: Sequence[int]) -> DraftTree:
         """The subtree of ``nodes`` (indices that hold each one's parent too), re-indexed in
-        their tree order with every per-node field: ``subset`` for a few kept nodes of a larger
-        proposal (the cost-aware pruner's every step), in Python lists and one fancy index per
-        field, without ``subset``'s check (the pruner keeps parents first by construction)."""
+        their tree order with every per-node field, in Python lists and one fancy index per field
+        (a proposal's few dozen nodes: the cost-aware pruner's every step). Unchecked: the pruner
+        keeps parents first by construction; ``subset`` checks a mask, then takes it."""
         kept = sorted(nodes)
         index = {node: i for i, node in enumerate(kept)}
         parents = self.parents.tolist()
@@ -144,16 +144,7 @@ class DraftTree:
         kept_parents = self.parents[keep]
         if np.any(kept_parents >= 0) and not keep[kept_parents[kept_parents >= 0]].all():
             raise ValueError("a subset must keep the parent of every node it keeps")
-        new_index = np.cumsum(keep) - 1
-        parents = np.where(kept_parents < 0, -1, new_index[np.maximum(kept_parents, 0)])
-        kept, index = keep.tolist(), new_index.tolist()
-        return DraftTree._built(
-            self.tokens[keep],
-            parents.astype(np.int64, copy=False),
-            {name: values[keep] for name, values in self.node_data.items()},
-            [[index[i] for i in path if kept[i]] for path in self.paths],
-            dict(self.meta),
-        )
+        return self.take(np.flatnonzero(keep).tolist())
 
 
 def clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:

@@ -102,6 +102,8 @@ def test_take_is_subset_for_every_parent_closed_choice():
         assert b.tokens.dtype == a.tokens.dtype == np.int64 and b.parents.dtype == np.int64
         assert all(np.array_equal(a.node_data[k], b.node_data[k]) for k in a.node_data) and a.node_data.keys() == b.node_data.keys()
         assert a.paths == b.paths and a.meta == b.meta and b.meta is not tree.meta
+        kept = np.flatnonzero(keep).tolist()  # each kept node keeps its root path's tokens
+        assert all(b.tokens[b.path_to(i)].tolist() == tree.tokens[tree.path_to(node)].tolist() for i, node in enumerate(kept))
 
 
 @pytest.mark.parametrize("family,attn", CASES)
