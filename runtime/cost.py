@@ -113,6 +113,8 @@ class CostModel:
     _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
     _prior: list[float] | None = field(init=False, default=None, repr=False)  # observe's tree prior (never fades)
     _rows: list[list[float]] | None = field(init=False, default=None, repr=False, compare=False)  # relative_upto's table rows
+    # the same first and last rows as float64 arrays with their addresses (price_terms, for the kernel)
+    _row_arrays: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.nodes or len(self.seconds) != len(self.contexts) or any(len(r) != len(self.nodes) for r in self.seconds):
@@ -242,11 +244,7 @@ class CostModel:
         pruner asks for it every step, and the table's rows over node counts (which never
         change) are computed once (numpy's interpolation) and kept, so a step does only the
         interpolation in ``context`` and the online corrections, in the array path's order."""
-        rows = self._rows
-        if rows is None or len(rows[0]) <= count:
-            n = np.arange(max(count + 1, 65), dtype=float)
-            rows = [np.where(n > 0, _on_curve(xs, ys, n), t0).tolist() for (xs, ys), t0 in zip(self.curve, self.plain, strict=True)]
-            self._rows = rows
+        rows = self._price_rows(count)
         t0 = self._scalar_seconds(0, context)
         first, last = rows[0], rows[-1]
         scale, offset = self.tree_scale, self.tree_offset
@@ -258,6 +256,31 @@ class CostModel:
             table = [max(a + w * (b - a), min(a, b) * 0.5) for a, b in zip(first[: count + 1], last, strict=False)]
         return [1.0 + scale * (t / t0 - 1.0) + (offset if k > 0 else 0.0) for k, t in enumerate(table)]
 
+    def _price_rows(self, count: int) -> list[list[float]]:
+        """The table's rows over node counts 0 .. at least ``count`` (relative_upto's), kept."""
+        rows = self._rows
+        if rows is None or len(rows[0]) <= count:
+            n = np.arange(max(count + 1, 65), dtype=float)
+            rows = [np.where(n > 0, _on_curve(xs, ys, n), t0).tolist() for (xs, ys), t0 in zip(self.curve, self.plain, strict=True)]
+            self._rows = rows
+            arrays = [np.array(rows[0], dtype=np.float64), np.array(rows[-1], dtype=np.float64)]
+            self._row_arrays = (*arrays, arrays[0].ctypes.data, arrays[1].ctypes.data)
+        return rows
+
+    def price_terms(self, count: int, context: int | None = None) -> tuple[int, int, float, float, float, float, float]:
+        """What ``relative_upto(count, context)`` computes its prices from, for the kernel to
+        compute them itself in the same order (csrc/draft_tree.c: prices_of): the addresses of the
+        table's first and last rows (float64, at least ``count + 1`` long, kept by this model),
+        whether to interpolate between them (1.0) or take the first (0.0), the weight of the last,
+        plain decoding's seconds at ``context``, ``tree_scale`` and ``tree_offset``."""
+        self._price_rows(count)
+        first, last = self._row_arrays[2], self._row_arrays[3]
+        t0 = self._scalar_seconds(0, context)
+        if context is None or len(self.contexts) == 1:
+            return first, last, 0.0, 0.0, t0, self.tree_scale, self.tree_offset
+        c0, c1 = self.contexts[0], self.contexts[-1]
+        return first, last, 1.0, (float(context) - c0) / (c1 - c0), t0, self.tree_scale, self.tree_offset
+
     def _relative(self, nodes, context: int | None, t0: float):
         if np.ndim(nodes) == 0:
             return 1.0 + self.tree_scale * (self._scalar_seconds(float(nodes), context) / t0 - 1.0) + (self.tree_offset if nodes > 0 else 0.0)
@@ -266,7 +289,7 @@ class CostModel:
 
     def to_json(self) -> dict:
         out = {"version": VERSION, **asdict(self)}
-        del out["_sums"], out["_prior"], out["_rows"]
+        del out["_sums"], out["_prior"], out["_rows"], out["_row_arrays"]
         return out
 
     def table_only(self) -> CostModel:

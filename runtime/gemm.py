@@ -49,6 +49,9 @@ from specstore.runtime.device import cpu_flags
 from specstore.runtime.models import cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.c"
+# built into the same library: the cost-aware pruner's per-node loops (runtime/tree_kernel.py)
+TREE_SOURCE = SOURCE.parent / "draft_tree.c"
+TREE_ABI = 1  # specstore_tree_abi() of that source
 ABI = 2  # specstore_gemm_abi() of the source this module speaks to
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 # added on CPUs with AVX-512 BF16: bf16 products through its dot-product instruction (the source's
@@ -130,7 +133,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (set CC, or install gcc)"
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + TREE_SOURCE.read_bytes()
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as exc:
@@ -190,6 +193,18 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if lib.dense:
         lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
         lib.specstore_dense_top.restype = i64
+    if lib.specstore_tree_abi() != TREE_ABI:
+        return None, f"{target} speaks tree ABI {lib.specstore_tree_abi()}, not {TREE_ABI}"
+    lib.specstore_tree_size.argtypes = [i64, p, p, p, ctypes.c_double, p, i64, ctypes.c_double, ctypes.c_double, p,
+                                        ctypes.c_double, p, p, p]
+    lib.specstore_tree_size.restype = i64
+    lib.specstore_calibrate.argtypes = [i64, p, p, p, i64, p, i64]
+    lib.specstore_calibrate.restype = i64
+    lib.specstore_respec_trie.argtypes = [i64, p, p, i64, p, p, p, p, p, p, p, i64, i64, p, p, p, p, p]
+    lib.specstore_respec_trie.restype = i64
+    lib.specstore_respec_sized.argtypes = [i64, p, p, i64, p, p, p, p, p, p, p, i64, i64, i64, p, i64, ctypes.c_double,
+                                           ctypes.c_double, p, p, p, ctypes.c_double, p, p, p, p, p, p]
+    lib.specstore_respec_sized.restype = i64
     lib.head = bool(lib.specstore_gemm_features() & 32)
     if lib.head:
         lib.specstore_head_beside.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p]
@@ -209,9 +224,10 @@ def _compiled(cc: list[str], version: list[str], source: bytes, flags: tuple[str
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+            done = subprocess.run([*cc, *flags, str(SOURCE), str(TREE_SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=300)
             if done.returncode != 0:
-                return None, f"compiling {SOURCE.name} failed: {(done.stderr or done.stdout).strip()[-400:]}"
+                return None, f"compiling {SOURCE.name} and {TREE_SOURCE.name} failed: {(done.stderr or done.stdout).strip()[-400:]}"
             os.replace(tmp, target)  # atomic: concurrent processes each compile, one file wins
         finally:
             if os.path.exists(tmp):

@@ -386,7 +386,7 @@ def test_calibration_learns_from_verify_results():
     assert p[0] > 0.9 and p[1] > 0.9 and p[2] < 0.2
     # a node whose parent was rejected is no trial
     cal.update(tree, VerifyResult([], [], 9, 3))
-    assert cal.tried[(1, 1)] == 31 and cal.tried[(1, 2)] == 30
+    assert cal.cell(1, 1)[0] == 31 and cal.cell(1, 2)[0] == 30 and cal.totals(1) == (31 + 30 + 30, 60)
 
 
 def test_sibling_probabilities_sum_to_at_most_one():
@@ -407,13 +407,14 @@ def _probabilities_by_node(cal: Calibrator, tree: DraftTree) -> np.ndarray:
     depths = np.minimum(tree.depths(), 8).tolist()
     p = np.empty(n)
     for i, (b, d) in enumerate(zip(buckets, depths, strict=True)):
-        pb = (cal.accepted_b.get(b, 0.0) + w * priors[i]) / (cal.tried_b.get(b, 0.0) + w)
-        p[i] = (cal.accepted.get((b, d), 0.0) + w * pb) / (cal.tried.get((b, d), 0.0) + w)
+        (tried_b, accepted_b), (tried, accepted) = cal.totals(b), cal.cell(b, d)
+        pb = (accepted_b + w * priors[i]) / (tried_b + w)
+        p[i] = (accepted + w * pb) / (tried + w)
     for parent in set(tree.parents.tolist()):  # siblings exclude each other
         members = np.flatnonzero(tree.parents == parent)
         if p[members].sum() > 1.0:
             p[members] /= p[members].sum()
-    trials = np.array([cal.tried.get((b, d), 0.0) for b, d in zip(buckets, depths, strict=True)])
+    trials = np.array([cal.cell(b, d)[0] for b, d in zip(buckets, depths, strict=True)])
     return np.minimum(p + cal.explore / np.sqrt(1.0 + trials), 1.0)
 
 
@@ -428,10 +429,7 @@ def test_calibrated_probabilities_follow_the_definition_on_random_trees():
         cal = Calibrator(explore=float(rng.choice([0.0, 0.1])))
         for _ in range(int(rng.integers(0, 30))):
             b, d = int(rng.integers(0, 6)), int(rng.integers(1, 9))
-            cal.tried[(b, d)] += float(rng.integers(1, 9))
-            cal.accepted[(b, d)] += float(rng.integers(0, 2))
-            cal.tried_b[b] += 3.0
-            cal.accepted_b[b] += 1.0
+            cal.add(b, d, float(rng.integers(1, 9)), float(rng.integers(0, 2)))
         assert np.allclose(cal.probabilities(tree), _probabilities_by_node(cal, tree), rtol=0, atol=1e-12)
 
 
@@ -486,8 +484,8 @@ def test_calibration_follows_what_the_verifier_accepts():
         decode(model, random_prompt(rng, model.config.vocab_size, 30), drafter, 40, Sampling())
     cal = drafter.calibrator
     trials = sum(1 for tree, res in seen for i, p in enumerate(tree.parents.tolist()) if p < 0 or p in res.accepted_nodes)
-    assert sum(cal.tried_b.values()) == trials > 0
-    assert sum(cal.accepted_b.values()) == sum(len(res.accepted_nodes) for _, res in seen) > 0
+    assert cal.totals()[0] == trials > 0
+    assert cal.totals()[1] == sum(len(res.accepted_nodes) for _, res in seen) > 0
 
 
 @pytest.mark.model

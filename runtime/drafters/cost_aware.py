@@ -43,6 +43,13 @@ registry when a cost model is given):
    copies a closed gate skipped (chat OOD, eighteenth session, BENCHMARKS.md), and its own
    pruning already takes plain decoding when its tree does not pay.
 
+6. The kernel. Steps 2 and 3 are a loop per node each; where the CPU kernel is loaded they run
+   in one C call (tree_kernel.py, csrc/draft_tree.c: the same arithmetic in the same order, so
+   the same trees), and a drafter with ``propose_sized`` (ReSpec) builds, signals and sizes its
+   proposal in the same call (``Sizing``). The calibration's counts live in a table the kernel
+   reads and counts into (``Calibrator.table``). About 0.1-0.2 ms a step less drafting for
+   ReSpec here (BENCHMARKS.md, twenty-eighth session).
+
 The calibration and the gate live as long as the wrapper (across requests, like the bench's
 drafters); ``reset`` does not clear them.
 """
@@ -51,10 +58,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 
 import numpy as np
 
+from specstore.runtime import tree_kernel
 from specstore.runtime.cost import CostModel
 from specstore.runtime.drafters.base import DecodeState
 from specstore.runtime.tree import DraftTree, clip_depth
@@ -123,20 +130,64 @@ def bucketize(values, edges) -> np.ndarray:
 
 
 class Calibrator:
-    """P(node accepted | parent accepted) per (bucket, depth), from counts with a prior."""
+    """P(node accepted | parent accepted) per (bucket, depth), from counts with a prior.
+
+    The counts live in ``table`` (float64 [buckets, tree_kernel.TABLE_COLS], grown as buckets
+    appear; csrc/draft_tree.c has the columns), so that the kernel reads and counts into it in
+    one call a step (tree_kernel.py); the Python path here gives the same bits where it is not
+    loaded. Buckets are small non-negative integers (at most ``MAX_BUCKETS``)."""
+
+    MAX_BUCKETS = 1 << 16
 
     def __init__(self, weight: float = 4.0, explore: float = EXPLORE):
         self.weight, self.explore = weight, explore
-        self.tried: dict[tuple[int, int], float] = defaultdict(float)
-        self.accepted: dict[tuple[int, int], float] = defaultdict(float)
-        self.tried_b: dict[int, float] = defaultdict(float)
-        self.accepted_b: dict[int, float] = defaultdict(float)
+        self.table = np.zeros((64, tree_kernel.TABLE_COLS), dtype=np.float64)
+        self.address = tree_kernel.table_address(self.table)  # where the kernel finds it
+        self.workspace = tree_kernel.Workspace()
+
+    def grow(self, bucket: int) -> None:
+        """Room in ``table`` for ``bucket`` (a clear error for one no drafter makes)."""
+        bucket = int(bucket)
+        if not 0 <= bucket < self.MAX_BUCKETS:
+            raise ValueError(f"calibration bucket {bucket} is outside [0, {self.MAX_BUCKETS})")
+        rows = size = len(self.table)
+        if bucket >= rows:
+            while size <= bucket:  # doubling: the size depends on the largest bucket only, not the order seen
+                size *= 2
+            table = np.zeros((size, tree_kernel.TABLE_COLS), dtype=np.float64)
+            table[:rows] = self.table
+            self.table, self.address = table, tree_kernel.table_address(table)
+
+    def cell(self, bucket: int, depth: int) -> tuple[float, float]:
+        """(trials, acceptances) of one cell; depths past MAX_DEPTH_BIN share the last."""
+        if not 0 <= bucket < len(self.table):
+            return 0.0, 0.0
+        d = min(depth, MAX_DEPTH_BIN) - 1
+        return self.table.item(bucket, d), self.table.item(bucket, _ACCEPTED + d)
+
+    def totals(self, bucket: int | None = None) -> tuple[float, float]:
+        """(trials, acceptances) of ``bucket`` over all depths; None: of every bucket."""
+        if bucket is None:
+            return float(self.table[:, _TRIED_ALL].sum()), float(self.table[:, _ACCEPTED_ALL].sum())
+        if not 0 <= bucket < len(self.table):
+            return 0.0, 0.0
+        return self.table.item(bucket, _TRIED_ALL), self.table.item(bucket, _ACCEPTED_ALL)
+
+    def add(self, bucket: int, depth: int, tried: float, accepted: float) -> None:
+        """Count ``tried`` trials with ``accepted`` acceptances into one cell and its bucket."""
+        self.grow(bucket)
+        d = min(depth, MAX_DEPTH_BIN) - 1
+        row = self.table[bucket]
+        row[d] += tried
+        row[_ACCEPTED + d] += accepted
+        row[_TRIED_ALL] += tried
+        row[_ACCEPTED_ALL] += accepted
 
     def probabilities(self, tree: DraftTree) -> np.ndarray:
         """Calibrated conditional acceptance probability of each node of ``tree``. In Python
         floats, node by node: a proposal has a few dozen nodes, and each numpy call right after
         a forward (cold caches) cost more than this whole loop (the arithmetic is numpy's, in the
-        same order: the same bits)."""
+        same order: the same bits). The kernel's ``size`` does the same in C."""
         n = len(tree)
         if n == 0:
             return np.zeros(0)
@@ -145,14 +196,13 @@ class Calibrator:
         priors = [DEFAULT_PRIOR] * n if priors is None else [min(max(float(x), 0.0), 1.0) for x in np.asarray(priors, dtype=float).tolist()]
         depths = tree.depth_list()
         w = self.weight
-        acc_b, tried_b, acc, tried = self.accepted_b, self.tried_b, self.accepted, self.tried
         p, trials = [], []
         for b, d, prior in zip(buckets, depths, priors, strict=True):
-            cell = (b, min(d, MAX_DEPTH_BIN))
-            pb = (acc_b.get(b, 0.0) + w * prior) / (tried_b.get(b, 0.0) + w)
-            t = tried.get(cell, 0.0)
-            p.append((acc.get(cell, 0.0) + w * pb) / (t + w))
-            trials.append(t)
+            tried_b, acc_b = self.totals(b)
+            tried, acc = self.cell(b, d)
+            pb = (acc_b + w * prior) / (tried_b + w)
+            p.append((acc + w * pb) / (tried + w))
+            trials.append(tried)
         # siblings are exclusive: their probabilities may sum to 1 at most
         parents = tree.parents.tolist()
         total = [0.0] * (n + 1)  # by parent + 1 (0: children of the root), summed in node order
@@ -163,28 +213,47 @@ class Calibrator:
             p = [min(x + self.explore / math.sqrt(1.0 + t), 1.0) for x, t in zip(p, trials, strict=True)]
         return np.array(p)
 
+    def size(self, tree: DraftTree, prices: list[float], extra: float):
+        """``best_size`` with these probabilities in one kernel call: (order, k, rate), or None
+        where the kernel does not take the tree (the caller's Python path)."""
+        priors = tree.node_data.get("prior")
+        for _ in range(2):
+            done = tree_kernel.tree_size(tree.parents, _buckets(tree), priors, DEFAULT_PRIOR, self.table, self.weight,
+                                         self.explore, prices, extra)
+            if done is not tree_kernel.OUT_OF_TABLE:
+                return None if done is None else done[:3]
+            self.grow(int(_buckets(tree).max()))
+        return None
+
     def update(self, tree: DraftTree, result: VerifyResult) -> None:
         """Count every node whose parent was accepted (or is the root) as one trial."""
         if len(tree) == 0:
             return
-        buckets = _buckets(tree).tolist()  # Python ints and lists: a few dozen nodes (probabilities' doc)
-        depths = tree.depth_list()
+        buckets = _buckets(tree)
+        for _ in range(2):
+            done = tree_kernel.calibrate(self.workspace, tree.parents, buckets, result.accepted_nodes, self.table, self.address)
+            if done is True:
+                return
+            if done is None:
+                break
+            self.grow(int(buckets.max()))
+        depths = tree.depth_list()  # Python ints and lists: a few dozen nodes (probabilities' doc)
         accepted = set(result.accepted_nodes)
-        tried, hits, tried_b, hits_b = self.tried, self.accepted, self.tried_b, self.accepted_b
-        for i, parent in enumerate(tree.parents.tolist()):
+        for i, (b, parent) in enumerate(zip(buckets.tolist(), tree.parents.tolist(), strict=True)):
             if parent >= 0 and parent not in accepted:
                 continue
-            b, hit = buckets[i], float(i in accepted)
-            cell = (b, min(depths[i], MAX_DEPTH_BIN))
-            tried[cell] += 1.0
-            hits[cell] += hit
-            tried_b[b] += 1.0
-            hits_b[b] += hit
+            self.add(b, depths[i], 1.0, float(i in accepted))
 
     def rate(self, bucket: int, depth: int) -> float | None:
         """The observed acceptance rate of one cell (None before any trial)."""
-        t = self.tried.get((bucket, min(depth, MAX_DEPTH_BIN)), 0.0)
-        return self.accepted[(bucket, min(depth, MAX_DEPTH_BIN))] / t if t else None
+        t, a = self.cell(bucket, depth)
+        return a / t if t else None
+
+
+_ACCEPTED = tree_kernel.DEPTH_BINS  # the table's columns (csrc/draft_tree.c)
+_TRIED_ALL = 2 * tree_kernel.DEPTH_BINS
+_ACCEPTED_ALL = _TRIED_ALL + 1
+assert MAX_DEPTH_BIN == tree_kernel.DEPTH_BINS
 
 
 def _buckets(tree: DraftTree) -> np.ndarray:
@@ -237,6 +306,40 @@ def prune(tree: DraftTree, p: np.ndarray, cost: CostModel, context: int | None =
     if k == len(tree):
         return tree
     return tree.take(order[:k].tolist())
+
+
+def calibrated_prune(tree: DraftTree, calibrator: Calibrator, cost: CostModel, context: int | None = None,
+                     overhead: float = 0.0) -> DraftTree:
+    """``prune(tree, calibrator.probabilities(tree), ...)``: the same tree, in one kernel call
+    where the kernel is loaded (tree_kernel.py), else in Python."""
+    n = len(tree)
+    if n == 0:
+        return tree
+    found = calibrator.size(tree, cost.relative_upto(n, context), max(float(overhead), 0.0))
+    if found is None:
+        return prune(tree, calibrator.probabilities(tree), cost, context, overhead)
+    order, k, _ = found
+    return tree if k == n else tree.take(order[:k].tolist())
+
+
+class Sizing:
+    """What a drafter needs to size its own proposal in the same kernel call that builds it
+    (``propose_sized``, ReSpec's): the calibration, the prices at this step's context, the
+    step's drafting in plain steps, and the depth budget. ``prices(n)``: the verification of k
+    nodes for k = 0 .. n, in plain steps; ``price_terms(n)`` what they are computed from (for the
+    kernel: cost.CostModel.price_terms)."""
+
+    __slots__ = ("calibrator", "cost", "context", "extra", "max_depth")
+
+    def __init__(self, calibrator: Calibrator, cost: CostModel, context: int, extra: float, max_depth: int):
+        self.calibrator, self.cost, self.context = calibrator, cost, context
+        self.extra, self.max_depth = max(float(extra), 0.0), max_depth
+
+    def prices(self, n: int) -> list[float]:
+        return self.cost.relative_upto(n, self.context)
+
+    def price_terms(self, n: int) -> tuple:
+        return self.cost.price_terms(n, self.context)
 
 
 class CostAwareDrafter:
@@ -294,11 +397,20 @@ class CostAwareDrafter:
             tree.meta["gated"] = True
             return tree
         start = self.clock()
-        tree = clip_depth(self.inner.propose(state), max(state.budget, 0))
-        self.num_proposed += len(tree)
         self.context = len(state.tokens)
-        if len(tree):
-            tree = prune(tree, self.calibrator.probabilities(tree), self.cost, self.context, self.overhead(self.context))
+        sized = getattr(self.inner, "propose_sized", None)
+        proposed = None
+        if sized is not None:  # the drafter sizes its tree in the call that builds it where it can
+            tree, proposed = sized(state, Sizing(self.calibrator, self.cost, self.context, self.overhead(self.context),
+                                                 max(state.budget, 0)))
+        else:
+            tree = self.inner.propose(state)
+        if proposed is None:
+            tree = clip_depth(tree, max(state.budget, 0))
+            proposed = len(tree)
+            if len(tree):
+                tree = calibrated_prune(tree, self.calibrator, self.cost, self.context, self.overhead(self.context))
+        self.num_proposed += proposed
         self.num_kept += len(tree)
         padded = self.cost.padded_nodes(len(tree))
         if padded > len(tree):  # the verifier adds masked rows: a forward this size is cheaper here

@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specstore.runtime import gemm
+from specstore.runtime import gemm, tree_kernel
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
 from specstore.runtime.drafters.respec_pool import POOL_SWITCHES, Candidate, CandidatePool, PoolConfig
@@ -230,6 +230,7 @@ class ReSpecDrafter:
         self.head = load_head(self.config.head, datastore) if self.config.head_guesses else None
         self.head_steps = self.head_accepted = 0  # steps that drafted a head guess; those that took one
         self.head_probs: np.ndarray | None = None  # the head's distribution this step (head_candidates)
+        self._workspace = tree_kernel.Workspace()  # the kernel's buffers (_trie)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.scores, self.source_scores = {}, {}
@@ -274,10 +275,20 @@ class ReSpecDrafter:
         return entropy(state.last_logits) < self.config.entropy_threshold
 
     def propose(self, state: DecodeState) -> DraftTree:
+        return self._propose(state, None)[0]
+
+    def propose_sized(self, state: DecodeState, sizing) -> tuple[DraftTree, int | None]:
+        """``propose`` for the cost-aware wrapper (cost_aware.Sizing): a retrieving step's trie,
+        signals and sizing in one kernel call where the kernel is loaded (tree_kernel.respec_sized,
+        the tree the wrapper's pruner would keep): ``(the kept tree, nodes proposed)``; else
+        ``(the proposal, None)``, for the wrapper to size."""
+        return self._propose(state, sizing)
+
+    def _propose(self, state: DecodeState, sizing) -> tuple[DraftTree, int | None]:
         cfg = self.config
         length = min(cfg.draft_length, state.budget)
         if length <= 0:
-            return DraftTree.empty()
+            return DraftTree.empty(), None
         if self.triggers(state):
             want = min(max(cfg.draft_length, cfg.context_length), state.budget)
             candidates, head = self.gather_with_head(state, lambda: self.pool.gather(state, want))
@@ -298,18 +309,17 @@ class ReSpecDrafter:
                     c.tokens = c.tokens[:length]
             if chosen:
                 self.num_retrieved_steps += 1
-                tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
+                tree, proposed = self._trie(chosen, sizing)
                 tree.meta["candidate_keys"] = [c.key for c in chosen]
                 tree.meta["candidate_tokens"] = uncut
                 tree.node_data["retrieved"] = np.ones(len(tree), dtype=bool)  # every pool source retrieves
-                self._add_signals(tree, chosen)
                 if self.overlay is not None:
                     served = np.zeros(len(tree), dtype=bool)
                     for c, nodes in zip(chosen, tree.paths, strict=True):
                         if c.source == "overlay":
                             served[nodes] = True
                     tree.node_data["overlay"] = served
-                return tree
+                return tree, proposed
         self.num_fallback_steps += 1
         tree = self.fallback.propose(state)
         retrieved = getattr(self.fallback, "source", "lookup") not in MODEL_SOURCES
@@ -319,7 +329,7 @@ class ReSpecDrafter:
         # the fallback's own signal (pld: match length), in buckets apart from the pool's
         own = tree.node_data.get("bucket")
         tree.node_data["bucket"] = FALLBACK_BUCKET + (np.zeros(len(tree), dtype=np.int64) if own is None else own)
-        return tree
+        return tree, None
 
     def gather_with_head(self, state: DecodeState, gather) -> tuple[list[Candidate], list[Candidate]]:
         """``gather()`` (the pool's candidates) and the head's: its ``head_guesses`` likeliest
@@ -347,6 +357,37 @@ class ReSpecDrafter:
             return True
         p = self.head.probability(self.head_probs, c.tokens[0])
         return p is None or p >= self.config.head_floor
+
+    def _trie(self, chosen: list[Candidate], sizing=None) -> tuple[DraftTree, int | None]:
+        """The chosen candidates' trie (at most ``max_nodes``) with each node's cost-aware signal
+        (``_add_signals``) and, given a ``sizing`` (propose_sized), sized: one kernel call where
+        it is loaded (tree_kernel.respec_sized or respec_trie: the same trees), else
+        ``DraftTree.from_paths`` and ``_add_signals``, unsized. Returns ``(tree, nodes proposed
+        or None where the tree is not sized)``."""
+        cfg = self.config
+        full = cfg.cost_signal == "full"
+        head = full and cfg.head_signal and self.head_probs is not None
+        args = ([list(c.tokens) for c in chosen], cfg.max_nodes, [self.score(c.key) for c in chosen],
+                [SOURCE_INDEX.get(c.source, len(SOURCE_INDEX)) for c in chosen], [int(c.match) for c in chosen],
+                _layout(full, cfg.pool.max_ngram), self.head_probs if head else None, self.head.rows if head else None)
+        if sizing is not None:
+            cal = sizing.calibrator
+            for _ in range(2):
+                found = tree_kernel.respec_sized(self._workspace, *args, sizing.max_depth, cal.table, cal.address,
+                                                 cal.weight, cal.explore, sizing.price_terms(cfg.max_nodes), sizing.extra)
+                if found is not tree_kernel.OUT_OF_TABLE:
+                    break
+                cal.grow(FALLBACK_BUCKET - 1)  # the largest bucket of the pool's signal
+            if found is not None and found is not tree_kernel.OUT_OF_TABLE:
+                tokens, parents, paths, bucket, prior, proposed, self._workspace = found
+                return DraftTree._built(tokens, parents, {"bucket": bucket, "prior": prior}, paths, {}), proposed
+        found = tree_kernel.respec_trie(*args)
+        if found is not None:
+            tokens, parents, paths, bucket, prior = found
+            return DraftTree._built(tokens, parents, {"bucket": bucket, "prior": prior}, paths, {}), None
+        tree = DraftTree.from_paths((c.tokens for c in chosen), max_nodes=cfg.max_nodes)
+        self._add_signals(tree, chosen)
+        return tree, None
 
     def _add_signals(self, tree: DraftTree, chosen) -> None:
         """The cost-aware signal (drafters/cost_aware.py): per node, the source, EMA score and
@@ -412,6 +453,19 @@ class ReSpecDrafter:
             self.head_accepted += best["head"] > 0
         for source, count in best.items():  # after every key's own step: a new key's start is the old score
             self.update_source(source, count)
+
+
+_LAYOUTS: dict[tuple[bool, int], tree_kernel.TrieLayout] = {}
+
+
+def _layout(full: bool, copy: int) -> tree_kernel.TrieLayout:
+    """The signal's bins above for the kernel's trie (packed once per signal kind and long-copy match)."""
+    layout = _LAYOUTS.get((full, copy))
+    if layout is None:
+        layout = _LAYOUTS[(full, copy)] = tree_kernel.TrieLayout(
+            full, SUPPORT_CAP, len(SOURCE_INDEX) + 1, HEAD_SIGNAL_BINS, SOURCE_INDEX["context"], copy, MATCH_EDGES,
+            SCORE_EDGES, HEAD_SIGNAL_EDGES)
+    return layout
 
 
 def resync_candidates(drafts, committed: list[int], bonus: int) -> list[Candidate]:
