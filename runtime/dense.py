@@ -189,8 +189,13 @@ class DenseIndex:
             if got is None:
                 return None
             query = got[2]
-            q = torch.from_numpy(query / self._scales if self._scales is not None else query)
-            best, scores = self._search_ann(index, query, q, k, start, end)
+            ids = self._candidates(index, query, k, start, end)
+            found = gemm.dense_rerank(query, self._scales, self._vectors[start:end], ids, k)
+            if found is not None:
+                best, scores = found
+            else:
+                q = torch.from_numpy(query / self._scales if self._scales is not None else query)
+                best, scores = self._rerank(ids, q, k, start, end)
         else:
             got = gemm.dense_top(hidden, weight, bias, normaliser.eps, self._scales, self._vectors[start:end], k)
             if got is None:
@@ -235,9 +240,19 @@ class DenseIndex:
 
     def _search_ann(self, index, query, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """The block's approximate index proposes ``k * rerank`` candidates; the exact int8
-        product over those rows ranks them. Ids outside the block (a damaged index) are dropped."""
+        product over those rows ranks them. Ids outside the block (a damaged index) are dropped.
+        (With the kernel, _search_kernel reranks them in one call: gemm.dense_rerank.)"""
+        return self._rerank(self._candidates(index, query, k, start, end), q, k, start, end)
+
+    @staticmethod
+    def _candidates(index, query, k: int, start: int, end: int) -> np.ndarray:
+        """The approximate index's ``k * rerank`` candidate offsets into the block (int64, as it
+        gives them: -1 past its last, possibly repeated or outside the block when damaged)."""
         raw = query.detach().float().cpu().numpy() if isinstance(query, torch.Tensor) else np.asarray(query, np.float32)
-        ids = np.asarray(index.candidates(raw, min(end - start, k * index.rerank)), dtype=np.int64)
+        return np.ascontiguousarray(index.candidates(raw, min(end - start, k * index.rerank)), dtype=np.int64)
+
+    def _rerank(self, ids: np.ndarray, q: torch.Tensor, k: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` best of the candidate offsets ``ids`` by the exact product with ``q``."""
         ids = np.unique(ids[(ids >= 0) & (ids < end - start)])
         if ids.size == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)

@@ -193,6 +193,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if lib.dense:
         lib.specstore_dense_top.argtypes = [p, i32, i64, p, p, i64, ctypes.c_float, p, p, i32, i64, i64, i32, p, p, p]
         lib.specstore_dense_top.restype = i64
+        lib.specstore_dense_rerank.argtypes = [p, p, i64, p, i32, i64, p, i64, i64, p, p]
+        lib.specstore_dense_rerank.restype = i64
     if lib.specstore_tree_abi() != TREE_ABI:
         return None, f"{target} speaks tree ABI {lib.specstore_tree_abi()}, not {TREE_ABI}"
     lib.specstore_tree_size.argtypes = [i64, p, p, p, ctypes.c_double, p, i64, ctypes.c_double, ctypes.c_double, p,
@@ -497,6 +499,33 @@ def dense_top(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     if found < 0:
         return None
     return idx[:found], scores[:found], query
+
+
+def dense_rerank(query: np.ndarray, scales: np.ndarray | None, rows: np.ndarray, ids: np.ndarray, k: int):
+    """An approximate index's candidates reranked exactly in one call (csrc/small_gemm.c:
+    specstore_dense_rerank): the ``k`` best of ``rows`` [n, D] (int8 codes with float32
+    ``scales``, or float32 rows with ``scales`` None; C-contiguous) at offsets ``ids`` (int64;
+    outside [0, n) or repeated: dropped) by inner product with ``query / scales`` (float32 [D]),
+    best first, ties to the lower offset. Returns (offsets int64 [m], scores float32 [m]), or None
+    where the kernel does not take the call (the caller reranks in numpy)."""
+    if not has_dense():
+        return None
+    dim = query.shape[0] if query.ndim == 1 else -1
+    int8 = rows.dtype == np.int8
+    if (query.dtype != np.float32 or not query.flags.c_contiguous or dim <= 0 or dim > DENSE_MAX_DIM
+            or not 0 <= k <= DENSE_MAX_K or not (int8 or rows.dtype == np.float32) or rows.ndim != 2
+            or rows.shape[1] != dim or not rows.flags.c_contiguous or (scales is None) == int8
+            or ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous):
+        return None
+    if scales is not None and (scales.dtype != np.float32 or scales.shape != (dim,) or not scales.flags.c_contiguous):
+        return None
+    idx, scores = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.float32)
+    found = _lib.specstore_dense_rerank(query.ctypes.data, None if scales is None else scales.ctypes.data, dim,
+                                        rows.ctypes.data if rows.shape[0] else None, int(int8), rows.shape[0],
+                                        ids.ctypes.data, ids.shape[0], k, idx.ctypes.data, scores.ctypes.data)
+    if found < 0:
+        return None
+    return idx[:found], scores[:found]
 
 
 def sa_longest(stream: np.ndarray, sa: np.ndarray, first: np.ndarray | None, context, max_len: int,

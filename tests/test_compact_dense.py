@@ -451,8 +451,9 @@ def test_converted_blocks_are_kept_within_their_budget_and_change_no_result(monk
 @pytest.mark.parametrize("compact", [True, False])
 def test_search_hidden_finds_what_search_finds_through_the_kernel(tmp_path, monkeypatch, compact):
     """DenseIndex.search_hidden: the transform, an exact block's scan and its top k in one kernel
-    call (gemm.dense_top; an approximate block: the query from it, then the index), with the
-    rows and scores of ``search(normaliser.apply_torch(h))``; without the kernel, search itself."""
+    call (gemm.dense_top; an approximate block: the query from it, then the index's candidates
+    reranked in another, gemm.dense_rerank), with the rows and scores of
+    ``search(normaliser.apply_torch(h))``; without the kernel, search itself."""
     from specstore.runtime import gemm
 
     store, manifest, docs, hiddens = skewed_store(tmp_path, ann_threshold=500, compact=compact)
@@ -460,6 +461,8 @@ def test_search_hidden_finds_what_search_finds_through_the_kernel(tmp_path, monk
     calls = []
     real = gemm.dense_top
     monkeypatch.setattr(gemm, "dense_top", lambda *a, **k: calls.append(a[5] is None) or real(*a, **k))
+    reranks, rerank = [], gemm.dense_rerank
+    monkeypatch.setattr(gemm, "dense_rerank", lambda *a: reranks.append(a) or rerank(*a))
     rng = np.random.default_rng(5)
     for _ in range(20):
         hidden = torch.from_numpy(rng.normal(size=16).astype(np.float32))
@@ -472,6 +475,7 @@ def test_search_hidden_finds_what_search_finds_through_the_kernel(tmp_path, monk
     if gemm.has_dense():
         assert calls.count(False) > 0  # exact blocks scanned in the kernel
         assert calls.count(True) == (40 if compact else 0)  # the approximate block: its query from the kernel
+        assert len(reranks) == calls.count(True)  # and its candidates reranked there
     monkeypatch.setattr(gemm, "has_dense", lambda lib=None: False)
     calls.clear()
     h = torch.from_numpy(rng.normal(size=16).astype(np.float32))

@@ -389,6 +389,36 @@ def test_dense_top_refuses_what_it_does_not_take_and_drops_nan_scores():
     assert idx.tolist() == [0, 1, 2] and scores.tolist() == [0.0, 0.0, 0.0]  # a zero query: all tie, k > n
 
 
+@needs_dense
+@pytest.mark.parametrize("kind", ["int8", "float32"])
+def test_dense_rerank_is_the_numpy_rerank_of_an_approximate_index(kind):
+    """gemm.dense_rerank (dense.py's approximate path: its candidates reranked exactly) keeps the
+    k best of the candidate rows in dense._top's order: ties to the lower offset, candidates
+    outside the block, -1 and repeats dropped. Integer rows and query: every sum is exact."""
+    rng = np.random.default_rng(4)
+    dim = 24
+    for trial in range(200):
+        n = int(rng.integers(0, 400))
+        rows = rng.integers(-3, 4, size=(n, dim)).astype(np.int8 if kind == "int8" else np.float32)
+        scales = np.ones(dim, dtype=np.float32) if kind == "int8" else None
+        query = rng.integers(-2, 3, size=dim).astype(np.float32)
+        ids = rng.integers(-1, n + 5, size=int(rng.integers(0, 60))).astype(np.int64)  # -1, repeats, past the block
+        k = int(rng.integers(0, 12))
+        found = gemm.dense_rerank(query, scales, rows, ids, k)
+        assert found is not None
+        keep = np.unique(ids[(ids >= 0) & (ids < n)])
+        scores = rows[keep].astype(np.float64) @ query.astype(np.float64)
+        order = np.lexsort((keep, -scores))[:k]
+        assert found[0].tolist() == keep[order].tolist()
+        assert found[1].tolist() == scores[order].tolist()
+    rows = np.zeros((3, 4), dtype=np.int8)
+    ids = np.array([0, 2], dtype=np.int64)
+    assert gemm.dense_rerank(np.zeros(4, np.float32), None, rows, ids, 1) is None  # int8 rows need scales
+    assert gemm.dense_rerank(np.zeros(4, np.float64), np.ones(4, np.float32), rows, ids, 1) is None
+    assert gemm.dense_rerank(np.zeros(4, np.float32), np.ones(4, np.float32), rows, ids.astype(np.int32), 1) is None
+    assert gemm.dense_rerank(np.zeros(4, np.float32), np.ones(4, np.float32), rows, ids, gemm.DENSE_MAX_K + 1) is None
+
+
 @pytest.mark.skipif(not gemm.has_elementwise(), reason="the kernel has no bf16 elementwise functions here")
 def test_argmax_is_torchs_first_maximum_and_leaves_nan_to_torch():
     """gemm.argmax (greedy acceptance's argmax of a bf16 row in one call) equals torch's argmax:

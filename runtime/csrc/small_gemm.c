@@ -967,6 +967,33 @@ int64_t specstore_dense_top(const void *hidden, int hidden_bf16, int64_t hsize, 
         for (int64_t i = 0; i < part_count[t]; i++) top_insert(part_scores[t][i], part_idx[t][i], k, &count, idx, scores);
     return count;
 }
+
+/* The approximate path's rerank (runtime/dense.py: DenseIndex._search_ann) in one call: the k
+ * best of the block's rows at ids[0 .. m) (offsets into codes' n rows; those outside [0, n) and
+ * repeats dropped), scored against query / scales (scales NULL: the query itself) and ordered
+ * as specstore_dense_top scores and orders them (ties to the lower offset). Returns how many;
+ * -1 where it does not take the call (the caller reranks in numpy). */
+#define RERANK_MAX_IDS 4096
+int64_t specstore_dense_rerank(const float *query, const float *scales, int64_t dim, const void *codes, int codes_int8,
+                               int64_t n, const int64_t *ids, int64_t m, int64_t k, int64_t *idx, float *scores) {
+    if (dim <= 0 || dim > DENSE_MAX_DIM || k > DENSE_MAX_K || k < 0 || m < 0 || m > RERANK_MAX_IDS) return -1;
+    float q[DENSE_MAX_DIM];
+    int64_t sorted[RERANK_MAX_IDS], s = 0, count = 0;
+    for (int64_t j = 0; j < dim; j++) q[j] = scales ? query[j] / scales[j] : query[j];
+    for (int64_t i = 0; i < m; i++) { /* ascending offsets, each once: ties then go to the lower one */
+        int64_t id = ids[i], j = s;
+        if (id < 0 || id >= n) continue;
+        while (j > 0 && sorted[j - 1] > id) j--;
+        if (j > 0 && sorted[j - 1] == id) continue;
+        memmove(sorted + j + 1, sorted + j, (size_t)(s - j) * sizeof(int64_t));
+        sorted[j] = id;
+        s++;
+    }
+    if (k == 0) return 0;
+    for (int64_t i = 0; i < s; i++) top_insert(row_score(codes, codes_int8, sorted[i], dim, q), sorted[i], k, &count, idx, scores);
+    return count;
+}
+
 /* The draft head's guess (runtime/draft_head.py: DraftHead.guess_beside), bf16, beside other work.
  *
  * Right after a verification every weight the head reads (~6 MB: fc1's hidden half, fc2, the

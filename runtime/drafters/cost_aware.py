@@ -433,6 +433,8 @@ class CostAwareDrafter:
             self._observe_s = 0.0
             return
         self._observe_s = self.clock() - start
+        if not self.gate.enabled:  # a gate that never closes records nothing: no prices to look up
+            return
         plain = float(self.cost.seconds_for(0, self.context))
         if plain > 0:
             verify = float(self.cost.seconds_for(int(tree.meta.get("verify_as", len(tree))), self.context))
