@@ -397,7 +397,7 @@ def test_dense_rerank_is_the_numpy_rerank_of_an_approximate_index(kind):
     outside the block, -1 and repeats dropped. Integer rows and query: every sum is exact."""
     rng = np.random.default_rng(4)
     dim = 24
-    for trial in range(200):
+    for _ in range(200):
         n = int(rng.integers(0, 400))
         rows = rng.integers(-3, 4, size=(n, dim)).astype(np.int8 if kind == "int8" else np.float32)
         scales = np.ones(dim, dtype=np.float32) if kind == "int8" else None
