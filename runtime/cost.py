@@ -113,7 +113,7 @@ class CostModel:
     _sums: list[float] | None = field(init=False, default=None, repr=False)  # observe's faded sums, from its first step
     _prior: list[float] | None = field(init=False, default=None, repr=False)  # observe's tree prior (never fades)
     _rows: list[list[float]] | None = field(init=False, default=None, repr=False, compare=False)  # relative_upto's table rows
-    # the same first and last rows as float64 arrays with their addresses (price_terms, for the kernel)
+    # the same first and last rows as float64 arrays (price_terms, for the kernel)
     _row_arrays: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -263,18 +263,17 @@ class CostModel:
             n = np.arange(max(count + 1, 65), dtype=float)
             rows = [np.where(n > 0, _on_curve(xs, ys, n), t0).tolist() for (xs, ys), t0 in zip(self.curve, self.plain, strict=True)]
             self._rows = rows
-            arrays = [np.array(rows[0], dtype=np.float64), np.array(rows[-1], dtype=np.float64)]
-            self._row_arrays = (*arrays, arrays[0].ctypes.data, arrays[1].ctypes.data)
+            self._row_arrays = (np.array(rows[0], dtype=np.float64), np.array(rows[-1], dtype=np.float64))
         return rows
 
-    def price_terms(self, count: int, context: int | None = None) -> tuple[int, int, float, float, float, float, float]:
+    def price_terms(self, count: int, context: int | None = None) -> tuple:
         """What ``relative_upto(count, context)`` computes its prices from, for the kernel to
-        compute them itself in the same order (csrc/draft_tree.c: prices_of): the addresses of the
-        table's first and last rows (float64, at least ``count + 1`` long, kept by this model),
+        compute them itself in the same order (csrc/draft_tree.c: prices_of): the table's first and
+        last rows (float64 arrays, at least ``count + 1`` long, kept by this model),
         whether to interpolate between them (1.0) or take the first (0.0), the weight of the last,
         plain decoding's seconds at ``context``, ``tree_scale`` and ``tree_offset``."""
         self._price_rows(count)
-        first, last = self._row_arrays[2], self._row_arrays[3]
+        first, last = self._row_arrays
         t0 = self._scalar_seconds(0, context)
         if context is None or len(self.contexts) == 1:
             return first, last, 0.0, 0.0, t0, self.tree_scale, self.tree_offset

@@ -82,6 +82,9 @@ class Workspace:
         self.i, self.f = np.frombuffer(self._ints, dtype=np.int64), np.frombuffer(self._floats, dtype=np.float64)
         self.ia, self.fa = ctypes.addressof(self._ints), ctypes.addressof(self._floats)
 
+    def __reduce__(self):  # a copy (or a pickle) gets buffers of its own, not the addresses of these
+        return Workspace, (len(self.i), len(self.f))
+
     def fit(self, ints: int, floats: int) -> Workspace:
         """This workspace, or a larger one where it is too small."""
         if ints <= len(self.i) and floats <= len(self.f):
@@ -89,24 +92,18 @@ class Workspace:
         return Workspace(max(ints, 2 * len(self.i)), max(floats, 2 * len(self.f)))
 
 
-def table_address(table: np.ndarray) -> int | None:
-    """The address of a calibration table the kernel can read (None: it cannot)."""
-    return table.ctypes.data if _check_table(table) else None
-
-
-def calibrate(ws: Workspace, parents: np.ndarray, buckets: np.ndarray, accepted: list[int], table: np.ndarray,
-              address: int):
-    """Count a verified tree's trials into ``table`` at ``address`` (cost_aware.Calibrator.update)
-    through ``ws``: True when counted, ``OUT_OF_TABLE`` where a bucket has no row (nothing
-    counted), None where the kernel does not take it (nothing counted)."""
+def calibrate(ws: Workspace, parents: np.ndarray, buckets: np.ndarray, accepted: list[int], table: np.ndarray):
+    """Count a verified tree's trials into ``table`` (cost_aware.Calibrator.update) through
+    ``ws``: True when counted, ``OUT_OF_TABLE`` where a bucket has no row (nothing counted), None
+    where the kernel does not take it (nothing counted)."""
     lib = _lib()
     n, a = len(parents), len(accepted)
-    if lib is None or address is None or n > TREE_MAX or 2 * n + a > len(ws.i):
+    if lib is None or n > TREE_MAX or 2 * n + a > len(ws.i) or not _check_table(table):
         return None
     ws.i[:n] = parents
     ws.i[n:2 * n] = buckets
     ws.i[2 * n:2 * n + a] = accepted
-    done = lib.specstore_calibrate(n, ws.ia, ws.ia + 8 * n, ws.ia + 16 * n, a, address, table.shape[0])
+    done = lib.specstore_calibrate(n, ws.ia, ws.ia + 8 * n, ws.ia + 16 * n, a, table.ctypes.data, table.shape[0])
     if done == -1:
         return OUT_OF_TABLE
     return True if done == 0 else None
@@ -167,16 +164,16 @@ def respec_trie(paths: list[list[int]], max_nodes: int, scores: list[float], sou
 
 def respec_sized(ws: Workspace, paths: list[list[int]], max_nodes: int, scores: list[float], sources: list[int],
                  matches: list[int], layout: TrieLayout, head_probs: np.ndarray | None, head_rows: np.ndarray | None,
-                 max_depth: int, table: np.ndarray, address: int, weight: float, explore: float, price_terms: tuple,
+                 max_depth: int, table: np.ndarray, weight: float, explore: float, price_terms: tuple,
                  extra: float):
     """ReSpec's proposal sized in one call through ``ws`` (csrc/draft_tree.c:
     specstore_respec_sized): ``respec_trie``'s tree, clipped to ``max_depth``, then the subtree
-    cost_aware's pruner keeps with the calibration ``table`` (at ``address``) and the prices of
+    cost_aware's pruner keeps with the calibration ``table`` and the prices of
     ``price_terms`` (cost.CostModel.price_terms for max_nodes nodes). Returns ``(tokens, parents, nodes of each path, buckets, priors, nodes
     proposed, the workspace to keep)``: the kept tree's, and ``ws`` or a larger one; ``OUT_OF_TABLE`` where a bucket has no row; None where the
     kernel does not take it."""
     lib = _lib()
-    if lib is None or address is None or not 0 <= max_nodes <= TREE_MAX:
+    if lib is None or not 0 <= max_nodes <= TREE_MAX or not _check_table(table):
         return None
     if head_probs is not None and (head_probs.dtype != np.float32 or not head_probs.flags.c_contiguous
                                    or head_rows is None or head_rows.dtype != np.int64 or not head_rows.flags.c_contiguous):
@@ -198,14 +195,16 @@ def respec_sized(ws: Workspace, paths: list[list[int]], max_nodes: int, scores: 
     ints, ia, fa = ws.i, ws.ia, ws.fa
     ints[:o_out] = offsets + flat + sources + matches
     first, last, *terms = price_terms
+    if len(first) < max_nodes + 1 or len(last) < max_nodes + 1:
+        return None
     ws.f[:o_prior] = scores + terms
     at = npaths + 1 + total
     k = lib.specstore_respec_sized(
         npaths, ia + 8 * (npaths + 1), ia, max_nodes, fa, ia + 8 * at, ia + 8 * (at + npaths), layout.ints_at,
         layout.floats_at, None if head_probs is None else head_probs.ctypes.data,
         None if head_probs is None else head_rows.ctypes.data, 0 if head_probs is None else len(head_rows),
-        0 if head_probs is None else len(head_probs), max_depth, address, table.shape[0], float(weight), float(explore),
-        first, last, fa + 8 * npaths, float(extra), ia + 8 * o_out, ia + 8 * o_par, ia + 8 * o_nodes, ia + 8 * o_bucket,
+        0 if head_probs is None else len(head_probs), max_depth, table.ctypes.data, table.shape[0], float(weight),
+        float(explore), first.ctypes.data, last.ctypes.data, fa + 8 * npaths, float(extra), ia + 8 * o_out, ia + 8 * o_par, ia + 8 * o_nodes, ia + 8 * o_bucket,
         fa + 8 * o_prior, ia + 8 * o_proposed)
     if k == -1:
         return OUT_OF_TABLE

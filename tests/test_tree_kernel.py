@@ -4,6 +4,7 @@ trie and signals, on random trees and tables; and decoding is the same with and 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -229,3 +230,28 @@ def test_respec_decodes_the_same_with_and_without_the_kernel(own_output_store, t
     assert outs == outs_py == list(ar.values())
     assert kept == kept_py and proposed == proposed_py > kept > 0
     assert table.shape == table_py.shape and (table == table_py).all()
+
+
+@needs_kernel
+def test_copies_count_into_their_own_tables_and_price_from_their_own_rows():
+    """A copied calibrator, cost model or drafter (the bench copies cost models) holds buffers of
+    its own: the kernel never writes through a copy into the original, nor reads freed rows."""
+    rng = np.random.default_rng(13)
+    cal = Calibrator()
+    tree = random_tree(rng, 20)
+    result = VerifyResult([0], [1], 2, 20)
+    twin = copy.deepcopy(cal)
+    assert twin.workspace.ia != cal.workspace.ia
+    twin.update(tree, result)
+    assert cal.totals()[0] == 0 and twin.totals()[0] > 0  # the copy counted into its own table
+    cal.update(tree, result)
+    assert (cal.table == twin.table).all()
+    cost = random_cost(rng)
+    cost.relative_upto(64, 300)
+    copied = copy.deepcopy(cost)
+    cost.relative_upto(300, 300)  # the original's rows rebuilt: the copy keeps its own
+    drafter, chosen = random_proposal(rng, "full")
+    a, sized_a = drafter._trie(chosen, Sizing(cal, cost, 300, 0.1, 16))
+    b, sized_b = drafter._trie(chosen, Sizing(cal, copied, 300, 0.1, 16))
+    assert sized_a == sized_b is not None and same_tree(a, b)
+    assert copy.deepcopy(drafter)._workspace.ia != drafter._workspace.ia

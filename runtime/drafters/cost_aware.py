@@ -142,8 +142,7 @@ class Calibrator:
     def __init__(self, weight: float = 4.0, explore: float = EXPLORE):
         self.weight, self.explore = weight, explore
         self.table = np.zeros((64, tree_kernel.TABLE_COLS), dtype=np.float64)
-        self.address = tree_kernel.table_address(self.table)  # where the kernel finds it
-        self.workspace = tree_kernel.Workspace()
+        self.workspace = tree_kernel.Workspace()  # the kernel's buffers (a copy of this calibrator gets its own)
 
     def grow(self, bucket: int) -> None:
         """Room in ``table`` for ``bucket`` (a clear error for one no drafter makes)."""
@@ -156,7 +155,7 @@ class Calibrator:
                 size *= 2
             table = np.zeros((size, tree_kernel.TABLE_COLS), dtype=np.float64)
             table[:rows] = self.table
-            self.table, self.address = table, tree_kernel.table_address(table)
+            self.table = table
 
     def cell(self, bucket: int, depth: int) -> tuple[float, float]:
         """(trials, acceptances) of one cell; depths past MAX_DEPTH_BIN share the last."""
@@ -231,7 +230,7 @@ class Calibrator:
             return
         buckets = _buckets(tree)
         for _ in range(2):
-            done = tree_kernel.calibrate(self.workspace, tree.parents, buckets, result.accepted_nodes, self.table, self.address)
+            done = tree_kernel.calibrate(self.workspace, tree.parents, buckets, result.accepted_nodes, self.table)
             if done is True:
                 return
             if done is None:

@@ -373,7 +373,7 @@ class ReSpecDrafter:
         if sizing is not None:
             cal = sizing.calibrator
             for _ in range(2):
-                found = tree_kernel.respec_sized(self._workspace, *args, sizing.max_depth, cal.table, cal.address,
+                found = tree_kernel.respec_sized(self._workspace, *args, sizing.max_depth, cal.table,
                                                  cal.weight, cal.explore, sizing.price_terms(cfg.max_nodes), sizing.extra)
                 if found is not tree_kernel.OUT_OF_TABLE:
                     break
