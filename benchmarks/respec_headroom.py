@@ -144,20 +144,20 @@ def main(argv: list[str] | None = None) -> dict:
         step["gathered"] = list(found)  # a copy: propose then adds the resync candidates to the list it got
         return found
 
-    propose = respec.ReSpecDrafter.propose
+    propose = respec.ReSpecDrafter._propose  # propose and propose_sized (the cost-aware wrapper's) both call it
 
-    def respec_propose(self, state):
+    def respec_propose(self, state, sizing):
         similarity.clear()
         step.pop("gathered", None)
         resync = list(self.resync)  # propose adds them to what the pool gives, when it asks the pool
-        tree = propose(self, state)
+        tree, proposed = propose(self, state, sizing)
         gathered = step.pop("gathered", None)
         size = len(state.tokens)
         step["pool"] = None if gathered is None else [
             (c.source, list(c.tokens), similarity.get(c.key[1] + size) if c.source == "dense" else None)
             for c in gathered + resync]
         step["chosen"] = tree.meta.get("candidate_tokens") if tree.meta.get("candidate_keys") else None
-        return tree
+        return tree, proposed
 
     verify = simulate.ReplayVerifier.step
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         return observe(self, state, tree, result)
 
     retrieval.DenseSource.drafts, respec_pool.CandidatePool.gather = dense_drafts, pool_gather
-    respec.ReSpecDrafter.propose = respec_propose
+    respec.ReSpecDrafter._propose = respec_propose
     simulate.ReplayVerifier.step = replay_step
     cost_aware.CostAwareDrafter.observe = wrapped_observe
     fixed = None if args.drafting_ms is None else args.drafting_ms / 1e3
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
             refs, bench.max_new_tokens, lm.model, context_limit(lm.model))
     finally:  # the classes as they were (a caller in the same process replays unobserved)
         retrieval.DenseSource.drafts, respec_pool.CandidatePool.gather = drafts, gather
-        respec.ReSpecDrafter.propose = propose
+        respec.ReSpecDrafter._propose = propose
         simulate.ReplayVerifier.step, cost_aware.CostAwareDrafter.observe = verify, observe
     tokens, total = sum(r.stats.num_tokens for r in replays), sum(r.stats.steps for r in replays)
     report = {"mat": tokens / total, "drafted_per_step": sum(r.stats.num_drafted for r in replays) / total,

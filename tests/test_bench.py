@@ -247,12 +247,12 @@ def test_respec_headroom_replays_as_simulate_and_bounds_what_it_lost(bench_setup
                 "--methods", "respec", "--option", "respec.entropy_threshold=inf", "--model", str(model),
                 "--cost-aware", "on", "--drafting-ms", "0.5", "--json"]) == 0
     simulated = json.loads(capsys.readouterr().out)[0]["mat"]
-    before = (ReSpecDrafter.propose, ReplayVerifier.step)
+    before = (ReSpecDrafter.propose, ReSpecDrafter._propose, ReplayVerifier.step)
     report = headroom.main(["--references", str(refs), "--store", str(folder / "store"), "--datastore", "code",
                             "--model", str(model), "--option", "entropy_threshold=inf", "--drafting-ms", "0.5",
                             "--json", str(tmp_path / "headroom.json")])
     printed = capsys.readouterr().out
-    assert (ReSpecDrafter.propose, ReplayVerifier.step) == before
+    assert (ReSpecDrafter.propose, ReSpecDrafter._propose, ReplayVerifier.step) == before
     assert report["mat"] == pytest.approx(simulated, abs=1e-12)
     assert report["pool_steps"] > 0 and "pool oracle" in printed and json.loads((tmp_path / "headroom.json").read_text())["mat"] == report["mat"]
     assert report["pool_oracle"] >= report["chosen_oracle"] >= report["accepted"] >= 0
