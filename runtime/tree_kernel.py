@@ -4,9 +4,9 @@ the CPU kernel's library: gemm.library()).
 A drafting step sizes a proposal of a few dozen nodes: ReSpec's trie and signals, the calibrated
 probabilities, the best size, and after the verification the calibration's counts. As Python
 loops these took about 0.25 ms of a step's ~0.8 ms of drafting here, right after each forward.
-Each function below returns None (or False) where the kernel is not loaded or does not take the
-call; the caller then runs its Python path, which gives the same bits (the C code does the same
-double arithmetic in the same order, without fused multiply-adds: tests/test_tree_kernel.py).
+Each function below returns None where the kernel is not loaded or does not take the call; the
+caller then runs its Python path, which gives the same bits (the C code does the same double
+arithmetic in the same order, without fused multiply-adds: tests/test_tree_kernel.py).
 
 The calibration table these read and count into is ``cost_aware.Calibrator.table``: float64
 [buckets, TABLE_COLS], C-contiguous (the column layout: csrc/draft_tree.c).
@@ -118,6 +118,9 @@ class TrieLayout:
                               len(score_edges), len(head_edges), *match_edges], dtype=np.int64)
         self.floats = np.array([*score_edges, *head_edges], dtype=np.float64)
         self.ints_at, self.floats_at = self.ints.ctypes.data, self.floats.ctypes.data
+
+    def __deepcopy__(self, memo):  # constants: a copy is this one (its addresses stay its arrays')
+        return self
 
 
 def respec_trie(paths: list[list[int]], max_nodes: int, scores: list[float], sources: list[int], matches: list[int],

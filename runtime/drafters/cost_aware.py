@@ -324,18 +324,14 @@ def calibrated_prune(tree: DraftTree, calibrator: Calibrator, cost: CostModel, c
 class Sizing:
     """What a drafter needs to size its own proposal in the same kernel call that builds it
     (``propose_sized``, ReSpec's): the calibration, the prices at this step's context, the
-    step's drafting in plain steps, and the depth budget. ``prices(n)``: the verification of k
-    nodes for k = 0 .. n, in plain steps; ``price_terms(n)`` what they are computed from (for the
-    kernel: cost.CostModel.price_terms)."""
+    step's drafting in plain steps, and the depth budget. ``price_terms(n)``: what the prices of
+    trees of up to n nodes at this context are computed from (cost.CostModel.price_terms)."""
 
     __slots__ = ("calibrator", "cost", "context", "extra", "max_depth")
 
     def __init__(self, calibrator: Calibrator, cost: CostModel, context: int, extra: float, max_depth: int):
         self.calibrator, self.cost, self.context = calibrator, cost, context
         self.extra, self.max_depth = max(float(extra), 0.0), max_depth
-
-    def prices(self, n: int) -> list[float]:
-        return self.cost.relative_upto(n, self.context)
 
     def price_terms(self, n: int) -> tuple:
         return self.cost.price_terms(n, self.context)
