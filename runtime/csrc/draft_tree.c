@@ -253,6 +253,30 @@ int64_t specstore_respec_trie(int64_t npaths, const int64_t *tokens, const int64
                       n_rows, head_vocab, out_tokens, out_parents, out_nodes, out_bucket, out_prior);
 }
 
+/* The nodes i < n where keep[i], parents kept with their children, re-indexed in order
+ * (DraftTree.take): their token, parent, bucket, prior and (where depth is not NULL) depth go
+ * to the out arrays, which may be the inputs themselves (a node moves only to a lower index);
+ * index[i]: node i's new index, -1 where it is dropped. Returns how many are kept. */
+static int64_t compact(int64_t n, const unsigned char *keep, const int64_t *tok, const int64_t *par,
+                       const int64_t *bucket, const double *prior, const int64_t *depth, int64_t *index,
+                       int64_t *tok_out, int64_t *par_out, int64_t *bucket_out, double *prior_out, int64_t *depth_out) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!keep[i]) {
+            index[i] = -1;
+            continue;
+        }
+        index[i] = m;
+        tok_out[m] = tok[i];
+        par_out[m] = par[i] < 0 ? -1 : index[par[i]];
+        bucket_out[m] = bucket[i];
+        prior_out[m] = prior[i];
+        if (depth) depth_out[m] = depth[i];
+        m++;
+    }
+    return m;
+}
+
 /* cost.CostModel.relative_upto(n, context) from its price_terms: prices[k] for k = 0 .. n, the
  * verification of k nodes in plain decoding steps. terms: [interpolate (0 or 1), the last row's
  * weight, plain decoding's seconds, tree_scale, tree_offset]; first and last: the table's rows. */
@@ -291,39 +315,16 @@ int64_t specstore_respec_sized(int64_t npaths, const int64_t *tokens, const int6
     int64_t n = build_trie(npaths, tokens, offsets, max_nodes, scores, sources, matches, layout, edges, head_probs,
                            head_rows, n_rows, head_vocab, tok, par, out_nodes, bucket, prior);
     depths_of(n, par, depth);
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) { /* the depth clip, compacted in place (parents come first) */
-        if (depth[i] > max_depth) {
-            index[i] = -1;
-            continue;
-        }
-        index[i] = m;
-        tok[m] = tok[i];
-        par[m] = par[i] < 0 ? -1 : index[par[i]];
-        bucket[m] = bucket[i];
-        prior[m] = prior[i];
-        depth[m] = depth[i];
-        m++;
-    }
+    for (int64_t i = 0; i < n; i++) keep[i] = depth[i] <= max_depth; /* the depth clip, in place */
+    int64_t m = compact(n, keep, tok, par, bucket, prior, depth, index, tok, par, bucket, prior, depth);
     *proposed = m;
     prices_of(m, first, last, terms, prices);
     int64_t k = size_tree(m, par, depth, bucket, prior, 0.5, table, cap, w, explore, prices, extra, order, &rate, p);
     if (k < 0) return k;
     memset(keep, 0, (size_t)m);
     for (int64_t j = 0; j < k; j++) keep[order[j]] = 1;
-    int64_t kept = 0, at[TREE_MAX];
-    for (int64_t i = 0; i < m; i++) {
-        if (!keep[i]) {
-            at[i] = -1;
-            continue;
-        }
-        at[i] = kept;
-        out_tokens[kept] = tok[i];
-        out_parents[kept] = par[i] < 0 ? -1 : at[par[i]];
-        out_bucket[kept] = bucket[i];
-        out_prior[kept] = prior[i];
-        kept++;
-    }
+    int64_t at[TREE_MAX];
+    int64_t kept = compact(m, keep, tok, par, bucket, prior, NULL, at, out_tokens, out_parents, out_bucket, out_prior, NULL);
     for (int64_t j = 0; j < offsets[npaths]; j++) {
         int64_t node = out_nodes[j];
         out_nodes[j] = node < 0 || index[node] < 0 ? -1 : at[index[node]];
