@@ -479,15 +479,9 @@ def dense_top(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     hsize, dim = weight.shape
     if hidden.numel() != hsize or bias.numel() != dim or dim > DENSE_MAX_DIM or not 0 <= k <= DENSE_MAX_K:
         return None
-    n = 0
-    if rows is not None:
-        int8 = rows.dtype == np.int8
-        if (not (int8 or rows.dtype == np.float32) or rows.ndim != 2 or rows.shape[1] != dim
-                or not rows.flags.c_contiguous or (scales is None) == int8):
-            return None
-        n = rows.shape[0]
-    if scales is not None and (scales.dtype != np.float32 or scales.shape != (dim,) or not scales.flags.c_contiguous):
+    if (rows is not None and not _dense_rows_ok(rows, scales, dim)) or not _scales_ok(scales, dim):
         return None
+    n = 0 if rows is None else rows.shape[0]
     hidden = hidden.detach().reshape(-1).contiguous()
     idx, scores = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.float32)
     query = np.empty(dim, dtype=np.float32) if want_query else None
@@ -501,6 +495,17 @@ def dense_top(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     return idx[:found], scores[:found], query
 
 
+def _dense_rows_ok(rows: np.ndarray, scales: np.ndarray | None, dim: int) -> bool:
+    """Rows the dense kernel reads: [n, dim] C-contiguous, int8 codes with scales or float32 without."""
+    int8 = rows.dtype == np.int8
+    return ((int8 or rows.dtype == np.float32) and rows.ndim == 2 and rows.shape[1] == dim
+            and rows.flags.c_contiguous and (scales is None) != int8)
+
+
+def _scales_ok(scales: np.ndarray | None, dim: int) -> bool:
+    return scales is None or (scales.dtype == np.float32 and scales.shape == (dim,) and scales.flags.c_contiguous)
+
+
 def dense_rerank(query: np.ndarray, scales: np.ndarray | None, rows: np.ndarray, ids: np.ndarray, k: int):
     """An approximate index's candidates reranked exactly in one call (csrc/small_gemm.c:
     specstore_dense_rerank): the ``k`` best of ``rows`` [n, D] (int8 codes with float32
@@ -511,14 +516,11 @@ def dense_rerank(query: np.ndarray, scales: np.ndarray | None, rows: np.ndarray,
     if not has_dense():
         return None
     dim = query.shape[0] if query.ndim == 1 else -1
-    int8 = rows.dtype == np.int8
     if (query.dtype != np.float32 or not query.flags.c_contiguous or dim <= 0 or dim > DENSE_MAX_DIM
-            or not 0 <= k <= DENSE_MAX_K or not (int8 or rows.dtype == np.float32) or rows.ndim != 2
-            or rows.shape[1] != dim or not rows.flags.c_contiguous or (scales is None) == int8
+            or not 0 <= k <= DENSE_MAX_K or not _dense_rows_ok(rows, scales, dim) or not _scales_ok(scales, dim)
             or ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous):
         return None
-    if scales is not None and (scales.dtype != np.float32 or scales.shape != (dim,) or not scales.flags.c_contiguous):
-        return None
+    int8 = rows.dtype == np.int8
     idx, scores = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.float32)
     found = _lib.specstore_dense_rerank(query.ctypes.data, None if scales is None else scales.ctypes.data, dim,
                                         rows.ctypes.data if rows.shape[0] else None, int(int8), rows.shape[0],
