@@ -51,7 +51,7 @@ from specstore.runtime.models import cache_dir
 SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.c"
 # built into the same library: the cost-aware pruner's per-node loops (runtime/tree_kernel.py)
 TREE_SOURCE = SOURCE.parent / "draft_tree.c"
-TREE_ABI = 1  # specstore_tree_abi() of that source
+TREE_ABI = 2  # specstore_tree_abi() of that source
 ABI = 2  # specstore_gemm_abi() of the source this module speaks to
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 # added on CPUs with AVX-512 BF16: bf16 products through its dot-product instruction (the source's
@@ -197,7 +197,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_dense_rerank.restype = i64
     if lib.specstore_tree_abi() != TREE_ABI:
         return None, f"{target} speaks tree ABI {lib.specstore_tree_abi()}, not {TREE_ABI}"
-    lib.specstore_tree_size.argtypes = [i64, p, p, p, ctypes.c_double, p, i64, ctypes.c_double, ctypes.c_double, p,
+    lib.specstore_tree_size.argtypes = [i64, p, p, p, ctypes.c_double, p, i64, ctypes.c_double, ctypes.c_double, p, p, p,
                                         ctypes.c_double, p, p, p]
     lib.specstore_tree_size.restype = i64
     lib.specstore_calibrate.argtypes = [i64, p, p, p, i64, p, i64]

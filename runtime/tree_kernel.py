@@ -39,36 +39,41 @@ def _check_table(table: np.ndarray) -> bool:
     return table.dtype == np.float64 and table.ndim == 2 and table.shape[1] == TABLE_COLS and table.flags.c_contiguous
 
 
-def tree_size(parents: np.ndarray, buckets: np.ndarray, priors: np.ndarray | None, default_prior: float,
-              table: np.ndarray, weight: float, explore: float, prices: list[float], extra: float,
+def tree_size(ws: Workspace, parents: np.ndarray, buckets: np.ndarray, priors: np.ndarray | None, default_prior: float,
+              table: np.ndarray, weight: float, explore: float, price_terms: tuple, extra: float,
               want_p: bool = False):
-    """Calibrated probabilities and the best size of a tree in one call (cost_aware: the
-    Calibrator's probabilities, then best_size): ``(order, k, rate, p)`` with ``order`` the
-    nodes best first (int64), ``k`` how many of them to keep, ``rate`` the expected tokens per
-    plain step's time, ``p`` the probabilities (None unless ``want_p``); ``OUT_OF_TABLE`` where a
-    bucket has no row; None where the kernel does not take it. ``prices``: k nodes' verification
-    for k = 0 .. n in plain steps; ``extra``: the step's drafting in the same unit, >= 0."""
+    """Calibrated probabilities and the best size of a tree in one call through ``ws``
+    (cost_aware: the Calibrator's probabilities, then best_size): ``(order, k, rate, p)`` with
+    ``order`` the nodes best first (int64), ``k`` how many of them to keep, ``rate`` the expected
+    tokens per plain step's time, ``p`` the probabilities (None unless ``want_p``);
+    ``OUT_OF_TABLE`` where a bucket has no row; None where the kernel does not take it.
+    ``price_terms``: what the prices of 0 .. n nodes' verification in plain steps are computed
+    from (cost.CostModel.price_terms for at least n nodes); ``extra``: the step's drafting in
+    the same unit, >= 0."""
     lib = _lib()
     n = len(parents)
-    if lib is None or n > TREE_MAX or len(prices) < n + 1 or not _check_table(table):
+    first, last, *terms = price_terms
+    if (lib is None or n > TREE_MAX or len(first) < n + 1 or len(last) < n + 1 or not _check_table(table)
+            or first.dtype != np.float64 or last.dtype != np.float64):
         return None
-    parents = np.ascontiguousarray(parents, dtype=np.int64)
-    buckets = np.ascontiguousarray(buckets, dtype=np.int64)
+    # ints: parents, buckets | out: order; floats: priors, the price terms | out: the rate, p
+    ws = ws if 3 * n <= len(ws.i) and 2 * n + 6 <= len(ws.f) else Workspace(3 * n, 2 * n + 6)
+    ints, floats = ws.i, ws.f
+    ints[:n] = parents
+    ints[n:2 * n] = buckets
     if priors is not None:
-        priors = np.ascontiguousarray(priors, dtype=np.float64)
-    order = np.empty(n, dtype=np.int64)
-    price = np.array(prices[: n + 1], dtype=np.float64)
-    p = np.empty(n, dtype=np.float64) if want_p else None
-    rate = ctypes.c_double(0.0)
-    k = lib.specstore_tree_size(n, parents.ctypes.data, buckets.ctypes.data, None if priors is None else priors.ctypes.data,
-                                float(default_prior), table.ctypes.data, table.shape[0], float(weight), float(explore),
-                                price.ctypes.data, float(extra), order.ctypes.data, ctypes.byref(rate),
-                                None if p is None else p.ctypes.data)
+        floats[:n] = priors
+    floats[n:n + 5] = terms
+    k = lib.specstore_tree_size(n, ws.ia, ws.ia + 8 * n, None if priors is None else ws.fa, float(default_prior),
+                                table.ctypes.data, table.shape[0], float(weight), float(explore), first.ctypes.data,
+                                last.ctypes.data, ws.fa + 8 * n, float(extra), ws.ia + 16 * n, ws.fa + 8 * (n + 5),
+                                ws.fa + 8 * (n + 6) if want_p else None)
     if k == -1:
         return OUT_OF_TABLE
     if k < 0:
         return None
-    return order, int(k), float(rate.value), p
+    return (ints[2 * n:3 * n].copy(), int(k), float(floats[n + 5]),
+            floats[n + 6:2 * n + 6].copy() if want_p else None)
 
 
 class Workspace:

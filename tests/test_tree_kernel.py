@@ -68,14 +68,15 @@ def test_kernel_sizing_is_the_python_pruner_bit_for_bit():
             tree.node_data["bucket"] = np.zeros(n, dtype=np.int64)
             tree.node_data.pop("prior", None)
         overhead = float(rng.choice([0.0, 0.05, 0.3]))
-        prices = cost.relative_upto(n, None)
-        order, k, rate, p = tree_kernel.tree_size(tree.parents, tree.node_data["bucket"], tree.node_data.get("prior"), 0.5,
-                                                  cal.table, cal.weight, cal.explore, prices, overhead, want_p=True)
+        context = None if trial % 3 == 0 else int(rng.integers(1, 3000))  # between, at and past the measured contexts
+        order, k, rate, p = tree_kernel.tree_size(cal.workspace, tree.parents, tree.node_data["bucket"],
+                                                  tree.node_data.get("prior"), 0.5, cal.table, cal.weight, cal.explore,
+                                                  cost.price_terms(n, context), overhead, want_p=True)
         p_py = cal.probabilities(tree)
-        order_py, k_py, rate_py = best_size(tree, p_py, cost, None, overhead)
+        order_py, k_py, rate_py = best_size(tree, p_py, cost, context, overhead)
         assert p.tolist() == p_py.tolist()  # exact: the same operations in the same order
         assert order.tolist() == order_py.tolist() and k == k_py and rate == rate_py
-        kept, kept_py = calibrated_prune(tree, cal, cost, None, overhead), prune(tree, p_py, cost, None, overhead)
+        kept, kept_py = calibrated_prune(tree, cal, cost, context, overhead), prune(tree, p_py, cost, context, overhead)
         assert kept.tokens.tolist() == kept_py.tokens.tolist() and kept.parents.tolist() == kept_py.parents.tolist()
 
 
@@ -114,10 +115,10 @@ def test_kernel_grows_the_table_for_a_new_bucket():
     tree.node_data["bucket"] = np.array([900, 901])
     cal.update(tree, VerifyResult([0, 1], [1, 2], 3, 2))
     assert cal.cell(900, 1) == (1.0, 1.0) and cal.cell(901, 2) == (1.0, 1.0)
-    found = cal.size(tree, CostModel.flat().relative_upto(2, None), 0.0)
+    found = cal.size(tree, CostModel.flat().price_terms(2), 0.0)
     assert found is not None and found[1] == 2
     tree.node_data["bucket"] = np.array([2000, 1])
-    assert cal.size(tree, CostModel.flat().relative_upto(2, None), 0.0) is not None and len(cal.table) > 2000
+    assert cal.size(tree, CostModel.flat().price_terms(2), 0.0) is not None and len(cal.table) > 2000
 
 
 class _Head:

@@ -31,7 +31,7 @@
 #define DEPTH_BINS 8 /* cost_aware.MAX_DEPTH_BIN: depths 8 and beyond share the last bin */
 #define TABLE_COLS (2 * DEPTH_BINS + 2)
 
-int specstore_tree_abi(void) { return 1; }
+int specstore_tree_abi(void) { return 2; }
 
 static inline double py_max(double a, double b) { return b > a ? b : a; }
 static inline double py_min(double a, double b) { return b < a ? b : a; }
@@ -107,17 +107,21 @@ static int64_t size_tree(int64_t n, const int64_t *parents, const int64_t *depth
     return best_k;
 }
 
+static void prices_of(int64_t n, const double *first, const double *last, const double *terms, double *prices);
+
 /* size_tree for a tree given as parents, buckets and priors (NULL: default_prior for every
- * node); prices[0 .. n]: the verification of k nodes in plain decoding steps; extra: the
- * step's drafting in the same unit (>= 0). p_out (or NULL): the calibrated probabilities.
- * -1: a bucket outside the table; -2: a tree this call does not take (too many nodes, a
- * parent after its child). */
+ * node); the prices of 0 .. n nodes from prices_of's rows (at least n + 1 long) and terms;
+ * extra: the step's drafting in plain decoding steps (>= 0). p_out (or NULL): the calibrated
+ * probabilities. -1: a bucket outside the table; -2: a tree this call does not take (too many
+ * nodes, a parent after its child). */
 int64_t specstore_tree_size(int64_t n, const int64_t *parents, const int64_t *buckets, const double *priors,
                             double default_prior, const double *table, int64_t cap, double w, double explore,
-                            const double *prices, double extra, int64_t *order, double *rate, double *p_out) {
+                            const double *first, const double *last, const double *terms, double extra,
+                            int64_t *order, double *rate, double *p_out) {
     int64_t depth[TREE_MAX];
-    double p[TREE_MAX];
+    double p[TREE_MAX], prices[TREE_MAX + 1];
     if (n < 0 || n > TREE_MAX || depths_of(n, parents, depth) != 0) return -2;
+    prices_of(n, first, last, terms, prices);
     int64_t k = size_tree(n, parents, depth, buckets, priors, default_prior, table, cap, w, explore, prices, extra,
                           order, rate, p);
     if (k >= 0 && p_out)

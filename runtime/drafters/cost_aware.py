@@ -142,7 +142,8 @@ class Calibrator:
     def __init__(self, weight: float = 4.0, explore: float = EXPLORE):
         self.weight, self.explore = weight, explore
         self.table = np.zeros((64, tree_kernel.TABLE_COLS), dtype=np.float64)
-        self.workspace = tree_kernel.Workspace()  # the kernel's buffers (a copy of this calibrator gets its own)
+        # the kernel's buffers, room for its largest tree (a copy of this calibrator gets its own)
+        self.workspace = tree_kernel.Workspace(3 * tree_kernel.TREE_MAX, 2 * tree_kernel.TREE_MAX + 6)
 
     def grow(self, bucket: int) -> None:
         """Room in ``table`` for ``bucket`` (a clear error for one no drafter makes)."""
@@ -212,13 +213,14 @@ class Calibrator:
             p = [min(x + self.explore / math.sqrt(1.0 + t), 1.0) for x, t in zip(p, trials, strict=True)]
         return np.array(p)
 
-    def size(self, tree: DraftTree, prices: list[float], extra: float):
+    def size(self, tree: DraftTree, price_terms: tuple, extra: float):
         """``best_size`` with these probabilities in one kernel call: (order, k, rate), or None
-        where the kernel does not take the tree (the caller's Python path)."""
+        where the kernel does not take the tree (the caller's Python path). ``price_terms``: the
+        cost model's (cost.CostModel.price_terms, for at least the tree's node count)."""
         priors = tree.node_data.get("prior")
         for _ in range(2):
-            done = tree_kernel.tree_size(tree.parents, _buckets(tree), priors, DEFAULT_PRIOR, self.table, self.weight,
-                                         self.explore, prices, extra)
+            done = tree_kernel.tree_size(self.workspace, tree.parents, _buckets(tree), priors, DEFAULT_PRIOR, self.table,
+                                         self.weight, self.explore, price_terms, extra)
             if done is not tree_kernel.OUT_OF_TABLE:
                 return None if done is None else done[:3]
             self.grow(int(_buckets(tree).max()))
@@ -314,7 +316,7 @@ def calibrated_prune(tree: DraftTree, calibrator: Calibrator, cost: CostModel, c
     n = len(tree)
     if n == 0:
         return tree
-    found = calibrator.size(tree, cost.relative_upto(n, context), max(float(overhead), 0.0))
+    found = calibrator.size(tree, cost.price_terms(n, context), max(float(overhead), 0.0))
     if found is None:
         return prune(tree, calibrator.probabilities(tree), cost, context, overhead)
     order, k, _ = found
