@@ -57,7 +57,7 @@ def tree_size(ws: Workspace, parents: np.ndarray, buckets: np.ndarray, priors: n
             or first.dtype != np.float64 or last.dtype != np.float64):
         return None
     # ints: parents, buckets | out: order; floats: priors, the price terms | out: the rate, p
-    ws = ws if 3 * n <= len(ws.i) and 2 * n + 6 <= len(ws.f) else Workspace(3 * n, 2 * n + 6)
+    ws = ws.fit(3 * n, 2 * n + 6)
     ints, floats = ws.i, ws.f
     ints[:n] = parents
     ints[n:2 * n] = buckets
