@@ -160,10 +160,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.specstore_linear_f32.restype = None
     lib.specstore_linear_bf16.argtypes = [p, i64, p, p, p, i64, i64, i32]
     lib.specstore_linear_bf16.restype = i32
-    lib.specstore_linear_bf16dp.argtypes = [p, i64, p, p, p, i64, i64, i32]
-    lib.specstore_linear_bf16dp.restype = i32
     lib.specstore_gemm_features.restype = i32
     lib.dot_bf16 = bool(lib.specstore_gemm_features() & 1)
+    if lib.dot_bf16:  # only the AVX-512 BF16 build has it (csrc/small_gemm.c); the plain build is AVX2's
+        lib.specstore_linear_bf16dp.argtypes = [p, i64, p, p, p, i64, i64, i32]
+        lib.specstore_linear_bf16dp.restype = i32
     lib.attention = bool(lib.specstore_gemm_features() & 2)
     if lib.attention:
         lib.specstore_attention_bf16.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, p, i64,

@@ -171,6 +171,38 @@ def test_the_off_switch_and_a_broken_compiler_leave_torchs_products(monkeypatch,
         gemm._reset_for_tests()
 
 
+can_build = pytest.mark.skipif(
+    gemm.platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= gemm.cpu_flags()
+    or gemm._compiler() is None, reason="the kernel is built for x86-64 CPUs with AVX2 and FMA, with a C compiler")
+
+
+@can_build
+@pytest.mark.parametrize("dot", ["1", "0"])
+def test_the_kernel_loads_wherever_the_cpu_and_a_compiler_allow(monkeypatch, tmp_path, dot):
+    """Not skipped where the kernel is missing: that is what it checks. The plain AVX2 build
+    (SPECSTORE_CPU_KERNEL_BF16_DOT=0, and every CPU without AVX-512 BF16) holds none of the bf16
+    dot-product symbols; loading it once failed on one of them, and every AVX2 machine lost the
+    kernel without a failing test (the kernel tests skip where it is missing)."""
+    monkeypatch.setenv("SPECSTORE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECSTORE_CPU_KERNEL_BF16_DOT", dot)
+    try:
+        gemm._reset_for_tests()
+        lib = gemm.library()
+        assert lib is not None, gemm.unavailable_reason()
+        if dot == "0":
+            assert not lib.dot_bf16 and not gemm.has_attention() and not gemm.has_head()
+        g = torch.Generator().manual_seed(5)
+        w, bias = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(3, 96, generator=g).to(dtype)
+            got = _product(x, w.to(dtype), bias.to(dtype))
+            want = _reference(x, w.to(dtype), bias.to(dtype))
+            tol = 1e-4 if dtype == torch.float32 else 8e-3
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    finally:
+        gemm._reset_for_tests()
+
+
 @needs_kernel
 def test_the_kernel_is_compiled_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSTORE_CACHE", str(tmp_path))
