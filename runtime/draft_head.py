@@ -30,7 +30,10 @@ verification the guess mostly waits on memory for its weights, and ReSpec's pool
 drafting work of a step, is Python on one core: ``guess_beside`` runs the guess on the CPU
 kernel's second OpenMP thread (the worker torch's products use, still spinning after the forward)
 while the pool searches (ReSpec's drafting 1.39 -> 1.06 ms a step on chat-large, 1.42 -> 1.06 on
-code; BENCHMARKS.md, twenty-sixth session). The guess is a draft like any other: the target
+code; BENCHMARKS.md, twenty-sixth session). In float32 (a CPU without AVX-512 BF16) the guess
+costs ~0.5 ms warm and ~1.1 ms right after a forward on a 2-core Zen 3, and runs beside the
+search the same way (csrc/small_gemm.c: specstore_head_beside_f32; BENCHMARKS.md, thirtieth
+session). The guess is a draft like any other: the target
 verifies it, so a wrong or damaged head costs speed, never output.
 """
 
@@ -126,7 +129,7 @@ class DraftHead:
         self._kernel = None
         from specstore.runtime import gemm
 
-        if dtype == torch.bfloat16 and gemm.has_head() and hidden % 2 == 0 and w1.shape[0] % 2 == 0:
+        if gemm.has_head(dtype=dtype) and (dtype == torch.float32 or (hidden % 2 == 0 and w1.shape[0] % 2 == 0)):
             f = self.infer
             self._kernel = (gemm.pack(f["fc1h"].weight), gemm.pack(f["fc2"].weight), f["fc2"].bias.contiguous(),
                             gemm.pack(f["out"].weight))
@@ -208,14 +211,15 @@ class DraftHead:
 
     def guess_beside(self, fn, hidden: torch.Tensor, pending: int, k: int = 1, beside: bool = True):
         """``fn()`` and ``guess(hidden, pending, k)`` at once: the guess on the second thread of
-        the CPU kernel's OpenMP team while this thread runs ``fn`` (bf16 where the kernel has it
-        and torch runs two threads or more; csrc/small_gemm.c: specstore_head_beside). Right
+        the CPU kernel's OpenMP team while this thread runs ``fn`` (in the head's dtype: bf16 on
+        CPUs with AVX-512 BF16, float32 on the others; where torch runs two threads or more;
+        csrc/small_gemm.c: specstore_head_beside, specstore_head_beside_f32). Right
         after a verification the guess waits on memory for its weights while ReSpec's pool
         search (``fn``) is Python: side by side, a step's drafting costs the longer of the two.
         Elsewhere, or without ``beside``, ``fn()`` and then the guess torch's way. Returns
         ``(fn's result, the distribution as numpy float32 [V'], the k likeliest [(token,
         probability)], best first)``. The kernel rounds as the torch path does but sums in its
-        own order: probabilities agree to bf16's rounding, not bits (tests/test_draft_head.py)."""
+        own order: probabilities agree to rounding, not bits (tests/test_draft_head.py)."""
         if beside and self._kernel is not None and torch.get_num_threads() >= 2:  # head_beside refuses what it cannot take
             from specstore.runtime import gemm
 

@@ -212,6 +212,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if lib.head:
         lib.specstore_head_beside.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p]
         lib.specstore_head_beside.restype = i32
+    lib.head_f32 = bool(lib.specstore_gemm_features() & 64)
+    if lib.head_f32:
+        lib.specstore_head_beside_f32.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p]
+        lib.specstore_head_beside_f32.restype = i32
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -403,10 +407,14 @@ def has_dense(lib: ctypes.CDLL | None = None) -> bool:
     return bool(lib is not None and getattr(lib, "dense", False))
 
 
-def has_head(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the loaded kernel has the draft head's guess beside other work (``head_beside``)."""
+def has_head(lib: ctypes.CDLL | None = None, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the loaded kernel has the draft head's guess beside other work (``head_beside``)
+    for a head computing in ``dtype``: bf16 where the CPU has AVX-512 BF16, float32 on every
+    CPU the kernel runs on."""
     lib = lib or library()
-    return bool(lib is not None and getattr(lib, "head", False))
+    if dtype == torch.float32:
+        return bool(lib is not None and getattr(lib, "head_f32", False))
+    return bool(lib is not None and dtype == torch.bfloat16 and getattr(lib, "head", False))
 
 
 HEAD_MAX_K = 64  # csrc/small_gemm.c
@@ -429,27 +437,34 @@ _BESIDE_CALLBACK = ctypes.CFUNCTYPE(None)(_run_beside)
 def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
                 b2: torch.Tensor | None, out: torch.Tensor, vocab: int, probs: np.ndarray, top: np.ndarray):
     """A draft head's guess on the OpenMP runtime's second thread while this one runs ``fn()``
-    (csrc/small_gemm.c: specstore_head_beside; runtime/draft_head.py: DraftHead.guess_beside):
-    ``hidden`` [H] and ``pending`` [I] bf16, the three weights as ``pack`` gives them (bf16 pair
-    panels), ``b2`` [H] bf16 or None; the probabilities go to ``probs`` (float32 [vocab]) and the
-    ``len(top)`` likeliest indices to ``top`` (int64, -1 past the last). Returns ``(True,
-    fn())``; ``(False, None)`` where the kernel does not take the call (nothing run). What ``fn``
-    raises is raised here, after the guess is done."""
+    (csrc/small_gemm.c: specstore_head_beside and specstore_head_beside_f32;
+    runtime/draft_head.py: DraftHead.guess_beside): ``hidden`` [H] and ``pending`` [I], the three
+    weights as ``pack`` gives them, ``b2`` [H] or None, all bf16 (pair panels; CPUs with AVX-512
+    BF16) or all float32 (any CPU the kernel runs on); the probabilities go to ``probs``
+    (float32 [vocab]) and the ``len(top)`` likeliest indices to ``top`` (int64, -1 past the
+    last). Returns ``(True, fn())``; ``(False, None)`` where the kernel does not take the call
+    (nothing run). What ``fn`` raises is raised here, after the guess is done."""
     lib = library()
-    if not has_head(lib) or not 0 <= len(top) <= HEAD_MAX_K:
+    dtype = hidden.dtype
+    if not has_head(lib, dtype) or not 0 <= len(top) <= HEAD_MAX_K:
         return False, None
     tensors = (hidden, pending, fc1, fc2, out) + (() if b2 is None else (b2,))
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return False, None
     h, i = hidden.numel(), pending.numel()
-    if (h % 2 or i % 2 or probs.dtype != np.float32 or top.dtype != np.int64 or probs.shape != (vocab,)
-            or fc1.shape != (-(-i // NB), h // 2, NB, 2) or fc2.shape != (-(-h // NB), i // 2, NB, 2)
-            or out.shape != (-(-vocab // NB), h // 2, NB, 2) or (b2 is not None and b2.numel() != h)):
+    if dtype == torch.float32:
+        shapes = ((-(-i // NB), h, NB), (-(-h // NB), i, NB), (-(-vocab // NB), h, NB))
+    else:
+        shapes = ((-(-i // NB), h // 2, NB, 2), (-(-h // NB), i // 2, NB, 2), (-(-vocab // NB), h // 2, NB, 2))
+    if ((dtype == torch.bfloat16 and (h % 2 or i % 2)) or probs.dtype != np.float32 or top.dtype != np.int64
+            or probs.shape != (vocab,) or (fc1.shape, fc2.shape, out.shape) != shapes
+            or (b2 is not None and b2.numel() != h)):
         return False, None
+    call = lib.specstore_head_beside_f32 if dtype == torch.float32 else lib.specstore_head_beside
     outer = getattr(_beside, "fn", None), getattr(_beside, "result", None)  # a call from inside fn nests
     _beside.fn, _beside.result = fn, None
     try:
-        status = lib.specstore_head_beside(_BESIDE_CALLBACK, hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(),
+        status = call(_BESIDE_CALLBACK, hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(),
                                            fc2.data_ptr(), None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i,
                                            vocab, len(top), probs.ctypes.data, top.ctypes.data)
         result = _beside.result

@@ -189,8 +189,8 @@ def test_a_heads_distribution_gives_its_guesses_and_any_tokens_probability(head_
 def _kernel_head(head):
     from specstore.runtime import gemm
 
-    if not gemm.has_head() or head._kernel is None or torch.get_num_threads() < 2:
-        pytest.skip(f"no CPU kernel head here ({gemm.unavailable_reason() or 'not bf16, or one thread'})")
+    if not gemm.has_head(dtype=head.dtype) or head._kernel is None or torch.get_num_threads() < 2:
+        pytest.skip(f"no CPU kernel head here ({gemm.unavailable_reason() or 'one thread'})")
 
 
 def test_the_heads_guess_beside_other_work_is_its_guess(head_setup):
@@ -212,6 +212,27 @@ def test_the_heads_guess_beside_other_work_is_its_guess(head_setup):
         same += top[0][0] == head.top(want, 1)[0][0]
         assert head.guess_beside(lambda: None, h, pending, 3, beside=False)[2] == head.top(want, 3)
     assert same >= 0.9 * len(positions), (same, len(positions))
+
+
+def test_a_float32_heads_guess_beside_other_work_is_torchs_to_rounding(head_setup):
+    """The float32 guess beside (csrc/small_gemm.c: specstore_head_beside_f32, the one CPUs without
+    AVX-512 BF16 run) on every CPU the kernel runs on: the head loaded in float32 gives torch's
+    float32 distribution to float32's rounding and the same likeliest tokens, and ``fn``'s value."""
+    from specstore.runtime import gemm
+
+    _, _, _, trained, data, path = head_setup
+    if not gemm.has_head(dtype=torch.float32) or torch.get_num_threads() < 2:
+        pytest.skip(f"no CPU kernel float32 head here ({gemm.unavailable_reason() or 'one thread'})")
+    head = DraftHead.load(path, dtype=torch.float32)
+    assert head._kernel is not None and head._kernel[0].dtype == torch.float32
+    for i in range(0, len(data["target"]), 3):
+        h, pending = data["hidden"][i], int(data["pending"][i])
+        want = head.distribution(h, pending)
+        value, probs, top = head.guess_beside(lambda i=i: ("pool", i), h, pending, 4)
+        assert value == ("pool", i) and probs.dtype == np.float32
+        np.testing.assert_allclose(probs, want.numpy(), rtol=1e-4, atol=1e-7)
+        assert [t for t, _ in top] == [t for t, _ in head.top(torch.from_numpy(probs), 4)]
+        assert top[0][0] == head.top(want, 1)[0][0] or abs(top[0][1] - float(want.max())) < 1e-5
 
 
 def test_what_runs_beside_the_heads_guess_raises_after_it_and_calls_nest(head_setup):

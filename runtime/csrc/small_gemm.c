@@ -346,10 +346,107 @@ void specstore_move_rows(char *const *bufs, int64_t nbufs, int64_t heads, int64_
  * k, from zero, the bias added last, the result rounded to bf16 to nearest, ties to even. As
  * above, that order does not depend on the number of rows, the row's place or the threads, so a
  * row's result is bitwise the same in a 1-row product as in a 72-row one. */
+static inline void top_insert(float score, int64_t at, int64_t k, int64_t *count, int64_t *idx, float *scores) {
+    if (!(score == score)) return;
+    int64_t c = *count;
+    if (c == k && !(score > scores[k - 1])) return; /* ties keep the earlier (lower) offset */
+    int64_t i = c < k ? c : k - 1;
+    while (i > 0 && (scores[i - 1] < score || (scores[i - 1] == score && idx[i - 1] > at))) {
+        scores[i] = scores[i - 1];
+        idx[i] = idx[i - 1];
+        i--;
+    }
+    scores[i] = score;
+    idx[i] = at;
+    if (c < k) *count = c + 1;
+}
+
+/* The draft head's guess beside other work (runtime/draft_head.py: DraftHead.guess_beside): ``job``
+ * on the second thread of an OpenMP team of two while the calling thread runs ``beside`` (a
+ * Python callback through ctypes: ReSpec's pool search), returning when both are done. The
+ * second thread is the runtime's own worker, the one torch's products use: right after a forward
+ * it is still spinning, waiting for work, and a thread of our own would share its core with it.
+ * With one thread (torch.set_num_threads(1), nested teams) the job runs first, then ``beside``. */
+#define HEAD_MAX_K 64
+typedef void (*beside_fn)(void);
+
+static void run_beside(beside_fn beside, void (*job)(void *), void *arg) {
+#pragma omp parallel num_threads(2)
+    {
+        if (omp_get_num_threads() < 2) {
+            job(arg);
+            if (beside) beside();
+        } else if (omp_get_thread_num() == 1) {
+            job(arg);
+        } else if (beside) {
+            beside();
+        }
+    }
+}
+
+/* The float32 head (CPUs without AVX-512 BF16, where the head runs in float32): the torch path's
+ * arithmetic, t = fc1h h + pending, u = silu(t), z = h + (fc2 u + b2), logits = out z,
+ * probs = softmax(logits), each product a float32 sum in increasing k (block_f32_1, one row), so
+ * probabilities agree with torch's to rounding, not bits. Weights as gemm.pack gives float32 ones
+ * (panels of 16 outputs, k rows each); the k likeliest (probability descending, ties to the lower
+ * index) go to top, -1 past the last. */
+typedef struct {
+    const float *h, *pending, *fc1, *fc2, *b2, *out;
+    int64_t hidden, inner, vocab, k;
+    float *probs, *u, *z;
+    int64_t *top;
+} head_f32_job;
+
+static void matvec_f32(const float *x, const float *panel, int64_t n, int64_t k, float *y) {
+    float acc[NB];
+    for (int64_t b = 0; b * NB < n; b++) {
+        block(1, 0, x, k, panel + b * k * NB, 0, k, acc);
+        const int64_t cols = n - b * NB < NB ? n - b * NB : NB;
+        memcpy(y + b * NB, acc, (size_t)cols * sizeof(float));
+    }
+}
+
+static void head_f32_run(void *arg) {
+    head_f32_job *j = arg;
+    const int64_t H = j->hidden, I = j->inner, V = j->vocab;
+    matvec_f32(j->h, j->fc1, I, H, j->u);
+    for (int64_t i = 0; i < I; i++) {
+        const float t = j->u[i] + j->pending[i];
+        j->u[i] = t / (1.0f + expf(-t));
+    }
+    matvec_f32(j->u, j->fc2, H, I, j->z);
+    for (int64_t i = 0; i < H; i++) j->z[i] = j->h[i] + (j->z[i] + (j->b2 ? j->b2[i] : 0.0f));
+    float *p = j->probs, best = -INFINITY, sum = 0.0f;
+    matvec_f32(j->z, j->out, V, H, p);
+    for (int64_t i = 0; i < V; i++) best = p[i] > best ? p[i] : best;
+    for (int64_t i = 0; i < V; i++) sum += (p[i] = expf(p[i] - best));
+    const float inv = 1.0f / sum;
+    int64_t count = 0;
+    float scores[HEAD_MAX_K];
+    for (int64_t i = 0; i < V; i++) {
+        p[i] *= inv;
+        top_insert(p[i], i, j->k, &count, j->top, scores);
+    }
+    for (int64_t i = count; i < j->k; i++) j->top[i] = -1;
+}
+
+/* Returns 0, or -1 for arguments it does not take (nothing run). */
+int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pending, const float *fc1,
+                              const float *fc2, const float *b2, const float *out, int64_t hidden, int64_t inner,
+                              int64_t vocab, int64_t k, float *probs, int64_t *top) {
+    if (hidden <= 0 || inner <= 0 || vocab <= 0 || k < 0 || k > HEAD_MAX_K) return -1;
+    float *work = malloc((size_t)(hidden + inner) * sizeof(float));
+    if (!work) return -1;
+    head_f32_job j = {h, pending, fc1, fc2, b2, out, hidden, inner, vocab, k, probs, work, work + inner, top};
+    run_beside(beside, head_f32_run, &j);
+    free(work);
+    return 0;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 63; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head */
+int specstore_gemm_features(void) { return 127; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -891,21 +988,6 @@ void specstore_rotary_bf16(const uint16_t *x, int64_t heads, int64_t n, int64_t 
 #define DENSE_MAX_K 256
 #define DENSE_PARALLEL_ROWS 16384 /* blocks this long are scanned by every thread, halves merged */
 
-static inline void top_insert(float score, int64_t at, int64_t k, int64_t *count, int64_t *idx, float *scores) {
-    if (!(score == score)) return;
-    int64_t c = *count;
-    if (c == k && !(score > scores[k - 1])) return; /* ties keep the earlier (lower) offset */
-    int64_t i = c < k ? c : k - 1;
-    while (i > 0 && (scores[i - 1] < score || (scores[i - 1] == score && idx[i - 1] > at))) {
-        scores[i] = scores[i - 1];
-        idx[i] = idx[i - 1];
-        i--;
-    }
-    scores[i] = score;
-    idx[i] = at;
-    if (c < k) *count = c + 1;
-}
-
 static inline float row_score(const void *codes, int codes_int8, int64_t r, int64_t dim, const float *q) {
     __m512 acc = _mm512_setzero_ps();
     int64_t j = 0;
@@ -1008,8 +1090,6 @@ int64_t specstore_dense_rerank(const float *query, const float *scales, int64_t 
  * agree with oneDNN's to rounding, not bits. The k likeliest (probability descending, ties to
  * the lower index) go to top. Weights as gemm.pack gives them (pair panels); hidden and inner
  * even. */
-#define HEAD_MAX_K 64
-
 typedef struct {
     const uint16_t *h, *pending, *fc1, *fc2, *b2, *out;
     int64_t hidden, inner, vocab, k;
@@ -1052,7 +1132,8 @@ static void matvec_dp(const uint16_t *x, const uint16_t *panel, int64_t n, int64
 
 static inline float round_to_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
-static void head_run(head_job *j) {
+static void head_run(void *arg) {
+    head_job *j = arg;
     const int64_t H = j->hidden, I = j->inner, V = j->vocab;
     matvec_dp(j->h, j->fc1, I, H, j->y);
     for (int64_t i = 0; i < I; i++) {
@@ -1085,8 +1166,6 @@ static void head_run(head_job *j) {
  * a forward it is still spinning, waiting for work, and a thread of our own would share its core
  * with it. With one thread (torch.set_num_threads(1), nested teams) the guess runs first, then
  * ``beside``. Returns 0, or -1 for arguments the kernel does not take (nothing run). */
-typedef void (*beside_fn)(void);
-
 int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *pending, const uint16_t *fc1,
                           const uint16_t *fc2, const uint16_t *b2, const uint16_t *out, int64_t hidden, int64_t inner,
                           int64_t vocab, int64_t k, float *probs, int64_t *top) {
@@ -1096,20 +1175,10 @@ int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *p
     if (!y) return -1;
     head_job j = {h, pending, fc1, fc2, b2, out, hidden, inner, vocab, k, probs, top,
                   (uint16_t *)(y + wide), (uint16_t *)(y + wide) + inner, y};
-#pragma omp parallel num_threads(2)
-    {
-        if (omp_get_num_threads() < 2) {
-            head_run(&j);
-            if (beside) beside();
-        } else if (omp_get_thread_num() == 1) {
-            head_run(&j);
-        } else if (beside) {
-            beside();
-        }
-    }
+    run_beside(beside, head_run, &j);
     free(y);
     return 0;
 }
 #else
-int specstore_gemm_features(void) { return 0; }
+int specstore_gemm_features(void) { return 64; } /* 64: float32 draft head (the rest needs AVX-512 BF16) */
 #endif
