@@ -22,7 +22,9 @@ kernel is not used (two thread pools spinning on 2 cores slow each other several
 
 Where the CPU has AVX-512 BF16 the same library holds bf16 attention for decoding's steps and
 trees (``attention``, taken by attention.py), ReSpec's entropy trigger (``entropy``) and the RMS
-norm and gated-MLP middle (``rmsnorm``, ``silu_mul``, taken by fused.py).
+norm and gated-MLP middle (``rmsnorm``, ``silu_mul``, taken by fused.py). Every build holds the
+float32 draft head's guess beside other work (``head_beside`` with float32 tensors), the one CPUs
+without AVX-512 BF16 run.
 
 linear.py routes products of up to ``MAX_ROWS`` rows here (float32 always; bf16 on CPUs
 without native bf16, where oneDNN emulates it); larger ones (a prompt's prefill) keep torch's.
