@@ -85,7 +85,8 @@ def test_entropy_of_bf16_logits_matches_the_definition(size):
         b = logits.to(torch.bfloat16)
         p = torch.softmax(b.double(), 0)
         want = float(-(p[p > 0] * p[p > 0].log()).sum())
-        assert entropy(b) == pytest.approx(want, rel=1e-5, abs=1e-4)
+        # torch's way (CPUs without the kernel's call) sums 49k float32 terms: ~1e-5 relative
+        assert entropy(b) == pytest.approx(want, rel=5e-5, abs=1e-4)
     broken = torch.zeros(size, dtype=torch.bfloat16)
     broken[size // 2] = float("nan")
     assert math.isnan(entropy(broken))
