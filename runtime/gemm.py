@@ -466,9 +466,9 @@ def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tens
     outer = getattr(_beside, "fn", None), getattr(_beside, "result", None)  # a call from inside fn nests
     _beside.fn, _beside.result = fn, None
     try:
-        status = call(_BESIDE_CALLBACK, hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(),
-                                           fc2.data_ptr(), None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i,
-                                           vocab, len(top), probs.ctypes.data, top.ctypes.data)
+        status = call(_BESIDE_CALLBACK, hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(), fc2.data_ptr(),
+                      None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i, vocab, len(top), probs.ctypes.data,
+                      top.ctypes.data)
         result = _beside.result
     finally:
         _beside.fn, _beside.result = outer

@@ -330,22 +330,8 @@ void specstore_move_rows(char *const *bufs, int64_t nbufs, int64_t heads, int64_
         }
 }
 
-/* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
- * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
- *
- * Emulated bf16 (above) widens every weight to float32 and runs one FMA per weight and row; a dot
- * product instruction takes 32 bf16 weights and a broadcast pair of inputs at once, so a row
- * costs a quarter of the instructions and trees of 8-16 nodes stay close to what reading the
- * weights costs.
- *
- * Layout: panels of 16 outputs as before, but each panel row holds a pair of k: panel b, pair kp
- * holds W[16b + j][2kp], W[16b + j][2kp + 1] for j = 0 .. 15 (32 bf16, one cache line),
- * zero-padded past n. k must be even (gemm.py packs this layout only then).
- *
- * Arithmetic: every output accumulates in float32, one dot-product step per pair, in increasing
- * k, from zero, the bias added last, the result rounded to bf16 to nearest, ties to even. As
- * above, that order does not depend on the number of rows, the row's place or the threads, so a
- * row's result is bitwise the same in a 1-row product as in a 72-row one. */
+/* ``score`` at offset ``at`` into the k best so far, idx / scores [count] (score descending, ties
+ * to the lower offset; NaN dropped): the head's likeliest tokens and the dense search's rows */
 static inline void top_insert(float score, int64_t at, int64_t k, int64_t *count, int64_t *idx, float *scores) {
     if (!(score == score)) return;
     int64_t c = *count;
@@ -443,6 +429,22 @@ int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pen
     return 0;
 }
 
+/* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
+ * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
+ *
+ * Emulated bf16 (above) widens every weight to float32 and runs one FMA per weight and row; a dot
+ * product instruction takes 32 bf16 weights and a broadcast pair of inputs at once, so a row
+ * costs a quarter of the instructions and trees of 8-16 nodes stay close to what reading the
+ * weights costs.
+ *
+ * Layout: panels of 16 outputs as before, but each panel row holds a pair of k: panel b, pair kp
+ * holds W[16b + j][2kp], W[16b + j][2kp + 1] for j = 0 .. 15 (32 bf16, one cache line),
+ * zero-padded past n. k must be even (gemm.py packs this layout only then).
+ *
+ * Arithmetic: every output accumulates in float32, one dot-product step per pair, in increasing
+ * k, from zero, the bias added last, the result rounded to bf16 to nearest, ties to even. As
+ * above, that order does not depend on the number of rows, the row's place or the threads, so a
+ * row's result is bitwise the same in a 1-row product as in a 72-row one. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
@@ -1160,12 +1162,8 @@ static void head_run(void *arg) {
     for (i = count; i < j->k; i++) j->top[i] = -1;
 }
 
-/* Runs the guess on the second thread of an OpenMP team of two while the calling thread runs
- * ``beside`` (a Python callback through ctypes: ReSpec's pool search), and returns when both are
- * done. The second thread is the runtime's own worker, the one torch's products use: right after
- * a forward it is still spinning, waiting for work, and a thread of our own would share its core
- * with it. With one thread (torch.set_num_threads(1), nested teams) the guess runs first, then
- * ``beside``. Returns 0, or -1 for arguments the kernel does not take (nothing run). */
+/* The bf16 guess beside ``beside`` (run_beside). Returns 0, or -1 for arguments the kernel does
+ * not take (nothing run). */
 int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *pending, const uint16_t *fc1,
                           const uint16_t *fc2, const uint16_t *b2, const uint16_t *out, int64_t hidden, int64_t inner,
                           int64_t vocab, int64_t k, float *probs, int64_t *top) {
