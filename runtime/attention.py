@@ -18,7 +18,10 @@ way on the CPU in bf16/fp16, where transformers' ``enable_gqa`` call is several 
 (``_packable_step``). In bf16/fp16 on the CPU, packed attention over a long cache is two matmuls
 and a softmax rather than SDPA's fused kernel, which grows about twice as fast with the cached
 length there (``_matmul_attention``; float32 and CUDA keep SDPA). Everything else (prefill,
-float32 and CUDA 1-token steps, position biases, soft-capping) is transformers' own SDPA function. ``use_packed_attention(model)``
+float32 and CUDA 1-token steps, position biases, soft-capping) is transformers' own SDPA function.
+Before all of these, bf16 and float32 steps and trees on the CPU go to specstore's kernel where it
+has them (``gemm.attention``: float32 wherever the kernel loads, bf16 with AVX-512 BF16), whose
+rows are the bits of plain decoding's step. ``use_packed_attention(model)``
 switches a model whose implementation is ``"sdpa"`` to it (the verifier does; the model's
 weights and math are as before).
 """
@@ -35,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from specstore.runtime import gemm
 
 PACKED_SDPA = "specstore_packed_sdpa"
-# bf16 steps and trees on the CPU through specstore's kernel (gemm.attention) where it has one;
+# bf16 and float32 steps and trees on the CPU through specstore's kernel (gemm.attention) where it has one;
 # SPECSTORE_CPU_ATTENTION=0 keeps them on the paths below
 _KERNEL_ATTENTION = os.environ.get("SPECSTORE_CPU_ATTENTION", "1") != "0"
 
@@ -138,8 +141,8 @@ def _repeated_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _kernel_takes(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                   dropout: float, kwargs: dict) -> bool:
-    """A bf16 CPU step or tree that specstore's attention kernel computes (module doc)."""
-    return (_KERNEL_ATTENTION and query.device.type == "cpu" and query.dtype == torch.bfloat16
+    """A bf16 or float32 CPU step or tree that specstore's attention kernel computes (module doc)."""
+    return (_KERNEL_ATTENTION and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float32)
             and _plain(module, query, key, dropout, kwargs) and gemm.attention_takes(query, key, value, attention_mask))
 
 

@@ -23,8 +23,10 @@ kernel is not used (two thread pools spinning on 2 cores slow each other several
 Where the CPU has AVX-512 BF16 the same library holds bf16 attention for decoding's steps and
 trees (``attention``, taken by attention.py), ReSpec's entropy trigger (``entropy``) and the RMS
 norm and gated-MLP middle (``rmsnorm``, ``silu_mul``, taken by fused.py). Every build holds the
-float32 draft head's guess beside other work (``head_beside`` with float32 tensors), the one CPUs
-without AVX-512 BF16 run.
+float32 draft head's guess beside other work (``head_beside`` with float32 tensors) and float32
+attention for steps and trees (``attention`` with float32 tensors), the ones CPUs without AVX-512
+BF16 run: with it a float32 tree verification gives plain decoding's logits bit for bit (torch's
+attention rounds a many-row forward differently from a 1-row one).
 
 linear.py routes products of up to ``MAX_ROWS`` rows here (float32 always; bf16 on CPUs
 without native bf16, where oneDNN emulates it); larger ones (a prompt's prefill) keep torch's.
@@ -174,6 +176,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_attention_bf16.restype = i32
         lib.specstore_entropy_bf16.argtypes = [p, i64]
         lib.specstore_entropy_bf16.restype = ctypes.c_double
+    lib.attention_f32 = bool(lib.specstore_gemm_features() & 128)
+    if lib.attention_f32:
+        lib.specstore_attention_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, p, i64,
+                                                ctypes.c_float, p, i32]
+        lib.specstore_attention_f32.restype = i32
     lib.elementwise = bool(lib.specstore_gemm_features() & 4)
     if lib.elementwise:
         lib.specstore_argmax_bf16.argtypes = [p, i64]
@@ -250,28 +257,33 @@ def dot_bf16(lib: ctypes.CDLL | None = None) -> bool:
     return bool(lib is not None and getattr(lib, "dot_bf16", False))
 
 
-def has_attention(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the loaded kernel has the bf16 attention of few query rows (csrc/small_gemm.c)."""
+def has_attention(lib: ctypes.CDLL | None = None, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the loaded kernel has the attention of few query rows in ``dtype`` (csrc/small_gemm.c:
+    bf16 where the CPU has AVX-512 BF16, float32 wherever the kernel loads)."""
     lib = lib or library()
-    return bool(lib is not None and getattr(lib, "attention", False))
+    flag = {torch.bfloat16: "attention", torch.float32: "attention_f32"}.get(dtype)
+    return bool(lib is not None and flag and getattr(lib, flag, False))
 
 
 ATTENTION_MAX_QUERIES = 128  # query tokens of a forward the kernel's attention takes (steps and trees)
 
 
 def attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> bool:
-    """Whether ``attention`` computes this call: the kernel has it here, bf16 on the CPU, one
-    sequence, up to ``ATTENTION_MAX_QUERIES`` query tokens, head dims a multiple of 32 up to 256,
-    key/value rows contiguous, and either one query without a mask or an additive bf16 mask
-    [1, 1, q, keys]."""
-    if query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16:
+    """Whether ``attention`` computes this call: the kernel has it here for the dtype (bf16 or
+    float32, ``has_attention``), on the CPU, one sequence, up to ``ATTENTION_MAX_QUERIES`` query
+    tokens, head dims a multiple of 32 (bf16) or 8 (float32) up to 256, key/value rows contiguous,
+    and either one query without a mask or an additive mask of the same dtype [1, 1, q, keys]."""
+    dtype = query.dtype
+    if dtype not in (torch.bfloat16, torch.float32) or key.dtype != dtype or value.dtype != dtype:
         return False
-    if not has_attention():
+    if not has_attention(dtype=dtype):
         return False
     if query.device.type != "cpu" or query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
         return False
     heads, nq, dim = query.shape[1:]
-    if nq > ATTENTION_MAX_QUERIES or dim % 32 or dim > 256 or key.shape[-1] != dim or value.shape[-1] != dim:
+    if nq > ATTENTION_MAX_QUERIES or dim % (32 if dtype == torch.bfloat16 else 8) or dim > 256:
+        return False
+    if key.shape[-1] != dim or value.shape[-1] != dim:
         return False
     if key.shape[1] == 0 or heads % key.shape[1] or value.shape[:3] != key.shape[:3]:
         return False
@@ -279,7 +291,7 @@ def attention_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return False
     if mask is None:
         return nq == 1
-    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bfloat16 and mask.dim() == 4
+    return (isinstance(mask, torch.Tensor) and mask.dtype == dtype and mask.dim() == 4
             and mask.shape[0] == 1 and mask.shape[1] == 1 and tuple(mask.shape[2:]) == (nq, key.shape[2])
             and mask.stride(-1) == 1)
 
@@ -288,17 +300,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
               scale: float | None) -> torch.Tensor:
     """softmax(q k^T x scale + mask) v for one sequence (``attention_takes``), query heads
     grouped over the key/value heads as transformers' ``repeat_kv`` groups them; returns
-    [1, q, heads, dim] bf16 (the layout attention functions hand back). Each row's result
-    depends only on its query and its allowed keys in order (csrc/small_gemm.c)."""
+    [1, q, heads, dim] in the query's dtype (the layout attention functions hand back). Each
+    row's result depends only on its query and its allowed keys in order (csrc/small_gemm.c)."""
     lib = _lib or library()
     query = query.contiguous()
     heads, nq, dim = query.shape[1:]
-    out = torch.empty((1, nq, heads, dim), dtype=torch.bfloat16)
+    out = torch.empty((1, nq, heads, dim), dtype=query.dtype)
     scale = dim ** -0.5 if scale is None else float(scale)
     m_ptr, m_stride = (None, 0) if mask is None else (mask.data_ptr(), mask.stride(2))
-    code = lib.specstore_attention_bf16(query.data_ptr(), heads, nq, dim, key.data_ptr(), key.stride(1),
-                                        value.data_ptr(), value.stride(1), key.shape[1], key.shape[2], m_ptr,
-                                        m_stride, scale, out.data_ptr(), torch.get_num_threads())
+    fn = lib.specstore_attention_f32 if query.dtype == torch.float32 else lib.specstore_attention_bf16
+    code = fn(query.data_ptr(), heads, nq, dim, key.data_ptr(), key.stride(1), value.data_ptr(), value.stride(1),
+              key.shape[1], key.shape[2], m_ptr, m_stride, scale, out.data_ptr(), torch.get_num_threads())
     if code == -2:
         raise MemoryError("small_gemm: no memory for the attention's scratch")
     if code != 0:

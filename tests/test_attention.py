@@ -109,11 +109,17 @@ def test_packed_one_token_step_equals_transformers(dtype, groups):
     torch.testing.assert_close(packed.float(), stock.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_float32_one_token_step_keeps_transformers_path():
+def test_float32_one_token_step_takes_the_kernel_or_keeps_transformers_path(monkeypatch):
+    """The kernel's float32 attention where it loads (transformers' result to float32 rounding);
+    without it (or switched off) transformers' own path, bit for bit."""
     gen = torch.Generator().manual_seed(5)
     query, key = torch.randn(1, 6, 1, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
     value = torch.randn(1, 2, 40, 16, generator=gen)
     stock, _ = sdpa_attention_forward(_Module(3), query, key, value, None)
+    packed, _ = packed_sdpa_forward(_Module(3), query, key, value, None)
+    assert packed.shape == stock.shape
+    torch.testing.assert_close(packed, stock, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention, "_KERNEL_ATTENTION", False)
     packed, _ = packed_sdpa_forward(_Module(3), query, key, value, None)
     assert torch.equal(packed, stock)
 

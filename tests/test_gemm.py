@@ -240,7 +240,12 @@ def test_greedy_decoding_through_the_kernel_matches_torchs_products(monkeypatch)
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
 
 
-needs_attention = pytest.mark.skipif(not gemm.has_attention(), reason="the kernel has no bf16 attention here (needs AVX-512 BF16)")
+ATTENTION_DTYPES = [
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not gemm.has_attention(dtype=torch.bfloat16),
+                                                          reason="the kernel has no bf16 attention here (needs AVX-512 BF16)")),
+    pytest.param(torch.float32, marks=pytest.mark.skipif(not gemm.has_attention(dtype=torch.float32),
+                                                         reason="no kernel here (needs AVX2, FMA and a C compiler)")),
+]
 
 
 def _attention_reference(q, k, v, mask, scale):
@@ -252,80 +257,89 @@ def _attention_reference(q, k, v, mask, scale):
     return (s.softmax(-1) @ vr).transpose(1, 2)
 
 
-@needs_attention
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "nq", "keys"), [(9, 3, 64, 1, 70), (9, 3, 64, 9, 300), (4, 4, 32, 5, 33), (6, 2, 128, 17, 200)])
-def test_kernel_attention_equals_float64_within_bf16_rounding(heads, kv_heads, dim, nq, keys):
-    """Grouped heads, key/value rows in a larger buffer (the cache grows in place), an additive
-    mask with masked keys anywhere (one query row masked whole: zeros), or one query unmasked."""
+def _tolerance(dtype):
+    return 1e-2 if dtype == torch.bfloat16 else 1e-5
+
+
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "nq", "keys"),
+                         [(9, 3, 64, 1, 70), (9, 3, 64, 9, 300), (4, 4, 32, 5, 33), (6, 2, 128, 17, 200), (14, 2, 64, 3, 77)])
+def test_kernel_attention_equals_float64_within_its_dtypes_rounding(heads, kv_heads, dim, nq, keys, dtype):
+    """Grouped heads (seven query heads a key/value head: taken four rows at a time), key/value
+    rows in a larger buffer (the cache grows in place), an additive mask with masked keys anywhere
+    (one query row masked whole: zeros), or one query unmasked."""
     g = torch.Generator().manual_seed(heads * nq + keys)
-    q = torch.randn(1, heads, nq, dim, generator=g).bfloat16()
-    k = torch.randn(1, kv_heads, keys + 30, dim, generator=g).bfloat16()[:, :, :keys]
-    v = torch.randn(1, kv_heads, keys + 30, dim, generator=g).bfloat16()[:, :, :keys]
+    q = torch.randn(1, heads, nq, dim, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, keys + 30, dim, generator=g).to(dtype)[:, :, :keys]
+    v = torch.randn(1, kv_heads, keys + 30, dim, generator=g).to(dtype)[:, :, :keys]
     mask = None
     if nq > 1:
         allowed = torch.rand(nq, keys, generator=g) > 0.4
         allowed[0] = False
-        mask = torch.zeros(1, 1, nq, keys, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+        mask = torch.zeros(1, 1, nq, keys, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     assert gemm.attention_takes(q, k, v, mask)
     got = gemm.attention(q, k, v, mask, 0.3)
-    assert got.shape == (1, nq, heads, dim) and got.dtype == torch.bfloat16
+    assert got.shape == (1, nq, heads, dim) and got.dtype == dtype
     want = _attention_reference(q, k, v, mask, 0.3)
     if mask is not None:
         assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
         got, want = got[:, 1:], want[:, 1:]
-    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.double(), want, rtol=_tolerance(dtype), atol=_tolerance(dtype))
 
 
-@needs_attention
-def test_kernel_attention_adds_a_masks_finite_values_and_skips_only_zeros():
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+def test_kernel_attention_adds_a_masks_finite_values_and_skips_only_zeros(dtype):
     """Rows whose allowed keys all have a mask of 0 skip the addition (x + 0 = x); a row whose
     mask holds other finite values (a bias) still has them added, and agrees with float64."""
     g = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, nq, keys = 9, 3, 64, 4, 90
-    q = torch.randn(1, heads, nq, dim, generator=g).bfloat16()
-    k = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
-    v = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
-    mask = torch.zeros(1, 1, nq, keys, dtype=torch.bfloat16)
-    mask[0, 0, 1] = (torch.randn(keys, generator=g) * 3).bfloat16()  # a bias on one row
-    mask[0, 0, 2, 50:] = torch.finfo(torch.bfloat16).min
+    q = torch.randn(1, heads, nq, dim, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, keys, dim, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, keys, dim, generator=g).to(dtype)
+    mask = torch.zeros(1, 1, nq, keys, dtype=dtype)
+    mask[0, 0, 1] = (torch.randn(keys, generator=g) * 3).to(dtype)  # a bias on one row
+    mask[0, 0, 2, 50:] = torch.finfo(dtype).min
     mask[0, 0, 3, :10] = -0.0  # negative zeros add nothing either
     got = gemm.attention(q, k, v, mask, 0.2)
-    torch.testing.assert_close(got.double(), _attention_reference(q, k, v, mask, 0.2), rtol=1e-2, atol=1e-2)
+    want = _attention_reference(q, k, v, mask, 0.2)
+    torch.testing.assert_close(got.double(), want, rtol=_tolerance(dtype), atol=_tolerance(dtype))
     unbiased = gemm.attention(q, k, v, torch.zeros_like(mask), 0.2)
     assert not torch.equal(got[0, 1], unbiased[0, 1])  # the bias moved row 1
     assert torch.equal(got[0, 0], unbiased[0, 0]) and torch.equal(got[0, 3], unbiased[0, 3])
 
 
-@needs_attention
-def test_kernel_attention_rows_are_the_bits_of_plain_decodings_step():
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+def test_kernel_attention_rows_are_the_bits_of_plain_decodings_step(dtype):
     """A row that attends some keys among masked ones (a tree node: the cache and its ancestors)
     gives the same bits as one query over exactly those keys without a mask (plain decoding's
     step for that token), whatever the other rows."""
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, dim, keys, nq = 9, 3, 64, 140, 12
-    q = torch.randn(1, heads, nq, dim, generator=g).bfloat16()
-    k = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
-    v = torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16()
+    q = torch.randn(1, heads, nq, dim, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, keys, dim, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, keys, dim, generator=g).to(dtype)
     allowed = torch.rand(nq, keys, generator=g) > 0.5
     allowed[:, :100] = True  # the cache
-    mask = torch.zeros(1, 1, nq, keys, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    mask = torch.zeros(1, 1, nq, keys, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     together = gemm.attention(q, k, v, mask, None)
     for i in range(nq):
         keep = allowed[i].nonzero().flatten()
         alone = gemm.attention(q[:, :, i : i + 1], k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), None, None)
         assert torch.equal(alone[0, 0], together[0, i])
     assert not gemm.attention_takes(q, k, v, None)  # several queries without a mask: causal, not ours
-    assert not gemm.attention_takes(q.float(), k.float(), v.float(), mask.float())
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert not gemm.attention_takes(q, k, v, mask.to(other))  # a mask of another dtype
+    assert not gemm.attention_takes(q.double(), k.double(), v.double(), mask.double())
 
 
-@needs_attention
-def test_bf16_tree_verification_gives_plain_decodings_logits_bit_for_bit():
-    """The default model in bf16 on a CPU with the kernel's products and attention: the logits a
-    tree verification computes for its accepted path are plain decoding's, bit for bit, so bf16
-    speculative decoding here is exactly plain bf16 decoding (other paths round differently)."""
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+def test_tree_verification_gives_plain_decodings_logits_bit_for_bit(dtype):
+    """The default model on a CPU with the kernel's products and attention: the logits a tree
+    verification computes for its accepted path are plain decoding's, bit for bit, so speculative
+    decoding here is exactly plain decoding in that dtype (other paths round differently)."""
     from specstore.runtime.models import load_model
 
-    loaded = load_model(None, dtype="bfloat16", device="cpu")
+    loaded = load_model(None, dtype=dtype, device="cpu")
     ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
     plain = TreeVerifier(loaded.model)
     tokens, logits = [plain.prefill(ids).bonus], []
@@ -347,14 +361,15 @@ def test_bf16_tree_verification_gives_plain_decodings_logits_bit_for_bit():
 
 
 def test_attention_is_not_taken_where_the_kernel_has_none(monkeypatch):
-    """A CPU without the kernel's attention (no AVX-512 BF16, no compiler, switched off): bf16
-    steps and trees stay on torch's attention, a plain 1-query step too."""
-    monkeypatch.setattr(gemm, "has_attention", lambda lib=None: False)
-    q = torch.randn(1, 9, 1, 64).bfloat16()
-    k, v = torch.randn(1, 3, 10, 64).bfloat16(), torch.randn(1, 3, 10, 64).bfloat16()
-    assert not gemm.attention_takes(q, k, v, None)
-    mask = torch.zeros(1, 1, 1, 10, dtype=torch.bfloat16)
-    assert not gemm.attention_takes(q, k, v, mask)
+    """A CPU without the kernel's attention (no AVX-512 BF16 for bf16; no AVX2, no compiler, or
+    switched off for either): steps and trees stay on torch's attention, a plain 1-query step too."""
+    monkeypatch.setattr(gemm, "has_attention", lambda lib=None, dtype=torch.bfloat16: False)
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(1, 9, 1, 64).to(dtype)
+        k, v = torch.randn(1, 3, 10, 64).to(dtype), torch.randn(1, 3, 10, 64).to(dtype)
+        assert not gemm.attention_takes(q, k, v, None)
+        mask = torch.zeros(1, 1, 1, 10, dtype=dtype)
+        assert not gemm.attention_takes(q, k, v, mask)
 
 
 needs_dense = pytest.mark.skipif(not gemm.has_dense(), reason="the kernel has no dense search here (needs AVX-512)")

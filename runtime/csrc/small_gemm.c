@@ -429,6 +429,329 @@ int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pen
     return 0;
 }
 
+/* float32 attention for decoding's steps and trees (CPUs without AVX-512 BF16 decode in float32):
+ * softmax(q k^T x scale + mask) v over each query row's allowed keys, the query heads grouped
+ * over the key/value heads as transformers' repeat_kv groups them.
+ *
+ * A row's arithmetic depends only on its query and its allowed keys in order, so a tree node's
+ * row gives the bits of plain decoding's step for that token: each score a float32 sum over the
+ * head's dims, 8-float chunks in increasing order, the chunks' lanes added in a fixed order
+ * (reduce8) for 8 list entries at a time from the list's start; the mask value added where it
+ * is not +-0; e^(s - max) by the polynomial below; the weights summed in 8 lanes (entry t in
+ * lane t mod 8) reduced in a fixed order; the output one FMA per allowed key, in list order,
+ * times 1 / sum. Not torch's bits (its sums run in another order).
+ *
+ * Speed: every row of a call attends the keys before the tree (the cache) as its list's first
+ * entries, so those keys' and values' reads are shared by the rows (F32_TILE rows a load, the
+ * rows of a key/value head taken F32_BLOCK_ROWS at a time); each row's own entries after them
+ * (its ancestors in the tree) are read for it alone. Several keys' sums run side by side
+ * (F32_KEYS): one sum is a chain of dependent FMAs. */
+#define F32_LANES 8
+#define F32_MAX_DIM 256
+#define F32_KEYS 4        /* keys whose sums run side by side */
+#define F32_TILE 3        /* rows that share a key's or a value's load */
+#define F32_CHUNKS 4      /* 8-float chunks of a value row a tile sums at once (dims: a multiple of 32, or one pass) */
+#define F32_BLOCK_ROWS 12 /* rows of one key/value head an OpenMP item takes, at most */
+
+static const float F32_ZEROS[F32_MAX_DIM]; /* the key of a list entry past the end: its sum is not read */
+
+static inline __m256 exp8_ps(__m256 x) {
+    /* e^x = 2^n x 2^f as exp_ps below (x clamped to [-87, 88], so 2^n is a normal float) */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* 8 vectors -> one whose lane j holds the total of v[j]'s lanes, the same additions for every lane */
+static inline __m256 reduce8(const __m256 *v) {
+    __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    __m256 lo = _mm256_hadd_ps(a, b), hi = _mm256_hadd_ps(c, d); /* lane j (j < 4): v[j]'s low half; j + 4: its high half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+static inline __m256i live8(int64_t left) { /* lanes below ``left`` set */
+    const int n = left >= F32_LANES ? F32_LANES : (int)left;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float lanes_sum8(__m256 v) { /* a fixed order */
+    float l[8];
+    _mm256_storeu_ps(l, v);
+    return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+}
+
+typedef struct {
+    const float *q, *mask; /* mask: NULL where it adds nothing */
+    const int32_t *idx;    /* allowed keys, idx[t] == t for t below the call's shared prefix */
+    int64_t m;             /* how many */
+    float *s, *o;          /* scratch [m + 8]: scores, then weights; the output [dim] */
+} f32_row;
+
+/* Scores of list entries [0, p8) (p8 a multiple of 8, shared by every row: entry t is key t) for
+ * all ``n`` rows, each 8-key block's keys read once for them all */
+static inline __attribute__((always_inline)) void f32_scores_shared(const f32_row *rows, int n, const float *kh,
+                                                                    const int64_t dim, int64_t p8, __m256 vscale) {
+    const int chunks = (int)(dim / F32_LANES);
+    for (int64_t t0 = 0; t0 < p8; t0 += F32_LANES)
+        for (int r0 = 0; r0 < n; r0 += F32_TILE) {
+            const float *q[F32_TILE];
+            for (int u = 0; u < F32_TILE; u++) q[u] = rows[r0 + u < n ? r0 + u : n - 1].q;
+            __m256 part[F32_TILE][F32_LANES];
+            for (int j0 = 0; j0 < F32_LANES; j0 += F32_KEYS) {
+                __m256 acc[F32_TILE][F32_KEYS];
+                for (int u = 0; u < F32_TILE; u++)
+                    for (int j = 0; j < F32_KEYS; j++) acc[u][j] = _mm256_setzero_ps();
+                const float *k0 = kh + (t0 + j0) * dim;
+                for (int c = 0; c < chunks; c++)
+                    for (int j = 0; j < F32_KEYS; j++) {
+                        const __m256 kv = _mm256_loadu_ps(k0 + j * dim + F32_LANES * c);
+                        for (int u = 0; u < F32_TILE; u++)
+                            acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[u] + F32_LANES * c), kv, acc[u][j]);
+                    }
+                for (int u = 0; u < F32_TILE; u++)
+                    for (int j = 0; j < F32_KEYS; j++) part[u][j0 + j] = acc[u][j];
+            }
+            for (int u = 0; u < F32_TILE && r0 + u < n; u++)
+                _mm256_storeu_ps(rows[r0 + u].s + t0, _mm256_mul_ps(reduce8(part[u]), vscale));
+        }
+}
+
+/* One row's scores of its list entries [from, m) (from a multiple of 8), its own keys */
+static inline __attribute__((always_inline)) void f32_scores_row(const f32_row *row, const float *kh, const int64_t dim,
+                                                                 int64_t from, __m256 vscale) {
+    const int chunks = (int)(dim / F32_LANES);
+    for (int64_t t0 = from; t0 < row->m; t0 += F32_LANES) {
+        const int64_t n = row->m - t0;
+        __m256 part[F32_LANES];
+        for (int j0 = 0; j0 < F32_LANES; j0 += F32_KEYS) {
+            const float *kr[F32_KEYS];
+            __m256 acc[F32_KEYS];
+            for (int j = 0; j < F32_KEYS; j++) {
+                kr[j] = j0 + j < n ? kh + (int64_t)row->idx[t0 + j0 + j] * dim : F32_ZEROS;
+                acc[j] = _mm256_setzero_ps();
+            }
+            for (int c = 0; c < chunks; c++)
+                for (int j = 0; j < F32_KEYS; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(row->q + F32_LANES * c), _mm256_loadu_ps(kr[j] + F32_LANES * c), acc[j]);
+            for (int j = 0; j < F32_KEYS; j++) part[j0 + j] = acc[j];
+        }
+        _mm256_storeu_ps(row->s + t0, _mm256_mul_ps(reduce8(part), vscale));
+    }
+}
+
+/* A row's scores -> e^(s - max) in place; returns 1 / their sum */
+static inline float f32_softmax_row(const f32_row *row) {
+    float *s = row->s;
+    const int64_t m = row->m;
+    if (row->mask)
+        for (int64_t t = 0; t < m; t++) s[t] += row->mask[row->idx[t]];
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < m; t += F32_LANES) {
+        const __m256i live = live8(m - t);
+        top = _mm256_max_ps(_mm256_blendv_ps(top, _mm256_maskload_ps(s + t, live), _mm256_castsi256_ps(live)), top);
+    }
+    float l[8], best = -INFINITY;
+    _mm256_storeu_ps(l, top);
+    for (int j = 0; j < 8; j++) best = l[j] > best ? l[j] : best;
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 vbest = _mm256_set1_ps(best);
+    for (int64_t t = 0; t < m; t += F32_LANES) {
+        const __m256i live = live8(m - t);
+        __m256 e = _mm256_and_ps(exp8_ps(_mm256_sub_ps(_mm256_maskload_ps(s + t, live), vbest)), _mm256_castsi256_ps(live));
+        _mm256_maskstore_ps(s + t, live, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return 1.0f / lanes_sum8(sum);
+}
+
+/* Outputs' sums over list entries [0, p) (shared: entry t is value t) for all ``n`` rows, a tile
+ * of rows and F32_CHUNKS chunks at a time (each value's chunk read once for the tile), written
+ * to the rows' outputs unscaled */
+static inline __attribute__((always_inline)) void f32_values_shared(const f32_row *rows, int n, const float *vh,
+                                                                    const int64_t dim, int64_t p) {
+    const int chunks = (int)(dim / F32_LANES);
+    const int step = chunks % F32_CHUNKS ? chunks : F32_CHUNKS;
+    for (int c0 = 0; c0 < chunks; c0 += step)
+        for (int r0 = 0; r0 < n; r0 += F32_TILE) {
+            const float *w[F32_TILE];
+            for (int u = 0; u < F32_TILE; u++) w[u] = rows[r0 + u < n ? r0 + u : n - 1].s;
+            __m256 acc[F32_TILE][F32_MAX_DIM / F32_LANES];
+            for (int u = 0; u < F32_TILE; u++)
+                for (int c = 0; c < step; c++) acc[u][c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < p; t++) {
+                const float *vr = vh + t * dim + F32_LANES * c0;
+                for (int u = 0; u < F32_TILE; u++) {
+                    const __m256 wt = _mm256_broadcast_ss(w[u] + t);
+                    for (int c = 0; c < step; c++) acc[u][c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + F32_LANES * c), acc[u][c]);
+                }
+            }
+            for (int u = 0; u < F32_TILE && r0 + u < n; u++)
+                for (int c = 0; c < step; c++) _mm256_storeu_ps(rows[r0 + u].o + F32_LANES * (c0 + c), acc[u][c]);
+        }
+}
+
+/* One row's output: its sums so far (``from`` entries, in o) continued over its own entries
+ * [from, m), times ``inv`` */
+static inline __attribute__((always_inline)) void f32_values_row(const f32_row *row, const float *vh, const int64_t dim,
+                                                                 int64_t from, float inv) {
+    const int chunks = (int)(dim / F32_LANES);
+    __m256 acc[F32_MAX_DIM / F32_LANES];
+    for (int c = 0; c < chunks; c++) acc[c] = from ? _mm256_loadu_ps(row->o + F32_LANES * c) : _mm256_setzero_ps();
+    for (int64_t t = from; t < row->m; t++) {
+        const float *vr = vh + (int64_t)row->idx[t] * dim;
+        const __m256 wt = _mm256_broadcast_ss(row->s + t);
+        for (int c = 0; c < chunks; c++) acc[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + F32_LANES * c), acc[c]);
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(row->o + F32_LANES * c, _mm256_mul_ps(acc[c], vinv));
+}
+
+/* ``n`` rows of one key/value head whose lists share their first ``p`` entries (entry t is key t) */
+static inline __attribute__((always_inline)) void f32_attend_rows(const f32_row *rows, int n, const float *kh,
+                                                                  const float *vh, const int64_t dim, int64_t p,
+                                                                  float scale) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int64_t p8 = p - p % F32_LANES;
+    f32_scores_shared(rows, n, kh, dim, p8, vscale);
+    for (int r = 0; r < n; r++) f32_scores_row(rows + r, kh, dim, p8, vscale);
+    float inv[F32_BLOCK_ROWS];
+    for (int r = 0; r < n; r++) inv[r] = f32_softmax_row(rows + r);
+    if (p) f32_values_shared(rows, n, vh, dim, p);
+    for (int r = 0; r < n; r++) f32_values_row(rows + r, vh, dim, p, inv[r]);
+}
+
+static void f32_attend_rows_64(const f32_row *rows, int n, const float *kh, const float *vh, int64_t p, float scale) {
+    f32_attend_rows(rows, n, kh, vh, 64, p, scale);
+}
+static void f32_attend_rows_128(const f32_row *rows, int n, const float *kh, const float *vh, int64_t p, float scale) {
+    f32_attend_rows(rows, n, kh, vh, 128, p, scale);
+}
+static void f32_attend_rows_any(const f32_row *rows, int n, const float *kh, const float *vh, int64_t dim, int64_t p,
+                                float scale) {
+    f32_attend_rows(rows, n, kh, vh, dim, p, scale);
+}
+
+/* q [heads, nq, dim], k / v [kv_heads, nk, dim] (rows contiguous, heads *_head_stride apart),
+ * mask [nq, nk] additive (rows mask_stride apart; NULL: every key, as a 1-token step's), out
+ * [nq, heads, dim]. A key is allowed where its mask value is above -1e30; a row with no allowed
+ * key gives zeros. Returns 0, -1 where dim is not a multiple of 8 up to 256 or the heads do not
+ * group, -2 where scratch memory could not be had. */
+int specstore_attention_f32(const float *q, int64_t heads, int64_t nq, int64_t dim, const float *k,
+                            int64_t k_head_stride, const float *v, int64_t v_head_stride, int64_t kv_heads, int64_t nk,
+                            const float *mask, int64_t mask_stride, float scale, float *out, int threads) {
+    if (dim <= 0 || dim % F32_LANES || dim > F32_MAX_DIM || kv_heads <= 0 || heads % kv_heads || nq <= 0) return -1;
+    const int64_t rep = heads / kv_heads;
+    int32_t *idx = malloc((size_t)(nq * nk + 1) * sizeof(int32_t));
+    int64_t *count = malloc((size_t)nq * sizeof(int64_t));
+    int64_t *live = malloc((size_t)nq * sizeof(int64_t)); /* the tokens with an allowed key */
+    const float **masks = malloc((size_t)nq * sizeof(*masks));
+    if (!idx || !count || !live || !masks) {
+        free(idx);
+        free(count);
+        free(live);
+        free(masks);
+        return -2;
+    }
+    const __m256 floor = _mm256_set1_ps(-1e30f), zero = _mm256_setzero_ps();
+    int64_t shared = nk, nlive = 0; /* the leading keys every live token attends */
+    for (int64_t i = 0; i < nq; i++) { /* each query token's allowed keys, in order */
+        int64_t c = 0, j = 0, lead = -1;
+        int32_t *row = idx + i * nk;
+        const float *mr = mask ? mask + i * mask_stride : 0;
+        int plain = 1; /* every allowed key's mask is +-0: adding it changes no score */
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (; j + F32_LANES <= nk; j += F32_LANES, at = _mm256_add_epi32(at, _mm256_set1_epi32(F32_LANES))) {
+            int allowed = 0xff;
+            if (mr) {
+                const __m256 w = _mm256_loadu_ps(mr + j);
+                allowed = _mm256_movemask_ps(_mm256_cmp_ps(w, floor, _CMP_GT_OQ));
+                plain &= (allowed & ~_mm256_movemask_ps(_mm256_cmp_ps(w, zero, _CMP_EQ_OQ))) == 0;
+            }
+            if (allowed == 0xff) {
+                _mm256_storeu_si256((__m256i *)(row + c), at);
+                c += F32_LANES;
+                continue;
+            }
+            if (lead < 0) lead = j + __builtin_ctz(~(unsigned)allowed);
+            for (int b = 0; b < F32_LANES; b++)
+                if (allowed >> b & 1) row[c++] = (int32_t)(j + b);
+        }
+        for (; j < nk; j++) {
+            if (!mr || mr[j] > -1e30f) {
+                row[c++] = (int32_t)j;
+                plain &= !mr || mr[j] == 0.0f;
+            } else if (lead < 0) {
+                lead = j;
+            }
+        }
+        count[i] = c;
+        masks[i] = plain ? 0 : mr;
+        if (c) {
+            live[nlive++] = i;
+            shared = lead >= 0 && lead < shared ? lead : shared;
+        } else {
+            memset(out + i * heads * dim, 0, (size_t)(heads * dim) * sizeof(float)); /* nothing to attend (SDPA: NaN) */
+        }
+    }
+    /* items: (key/value head, block of its rows), at least two a thread where the rows allow */
+    const int64_t rows_per_head = nlive * rep;
+    int64_t blocks = (rows_per_head + F32_BLOCK_ROWS - 1) / F32_BLOCK_ROWS;
+    const int64_t team = threads > 0 ? threads : 1, want = (2 * team + kv_heads - 1) / kv_heads;
+    if (blocks < want) blocks = want < rows_per_head ? want : rows_per_head;
+    const int64_t per_block = blocks ? (rows_per_head + blocks - 1) / blocks : 0;
+    const int64_t s_stride = nk + F32_LANES;
+    int failed = 0;
+    if (rows_per_head) {
+#pragma omp parallel num_threads(team)
+        {
+            float *s = malloc((size_t)(F32_BLOCK_ROWS * s_stride) * sizeof(float));
+            if (!s) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < kv_heads * blocks; item++) {
+                if (!s) continue;
+                const int64_t g = item / blocks, first = (item % blocks) * per_block;
+                const int64_t last = first + per_block < rows_per_head ? first + per_block : rows_per_head;
+                if (first >= last) continue;
+                f32_row rows[F32_BLOCK_ROWS];
+                int n = 0;
+                for (int64_t x = first; x < last; x++, n++) { /* row x: live token x / rep, head g rep + x % rep */
+                    const int64_t i = live[x / rep], h = g * rep + x % rep;
+                    rows[n] = (f32_row){q + (h * nq + i) * dim, masks[i], idx + i * nk, count[i], s + n * s_stride,
+                                        out + (i * heads + h) * dim};
+                }
+                const float *kh = k + g * k_head_stride, *vh = v + g * v_head_stride;
+                if (dim == 64)
+                    f32_attend_rows_64(rows, n, kh, vh, shared, scale);
+                else if (dim == 128)
+                    f32_attend_rows_128(rows, n, kh, vh, shared, scale);
+                else
+                    f32_attend_rows_any(rows, n, kh, vh, dim, shared, scale);
+            }
+            free(s);
+        }
+    }
+    free(idx);
+    free(count);
+    free(live);
+    free(masks);
+    return failed ? -2 : 0;
+}
+
 /* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
  * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
  *
@@ -448,7 +771,7 @@ int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pen
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 127; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head */
+int specstore_gemm_features(void) { return 255; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -1178,5 +1501,5 @@ int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *p
     return 0;
 }
 #else
-int specstore_gemm_features(void) { return 64; } /* 64: float32 draft head (the rest needs AVX-512 BF16) */
+int specstore_gemm_features(void) { return 192; } /* 64: float32 draft head, 128: float32 attention (the rest needs AVX-512 BF16) */
 #endif
