@@ -1,13 +1,21 @@
-"""The kernel's bf16 attention and its fused norms / MLP middles on this CPU (runtime/gemm.py,
+"""The kernel's attention and its fused norms / MLP middles on this CPU (runtime/gemm.py,
 runtime/fused.py, csrc/small_gemm.c).
 
-    python benchmarks/kernel_parts.py --part attention
+    python benchmarks/kernel_parts.py --part attention [--dtype float32]
     python benchmarks/kernel_parts.py --part steps --context 300
+    python benchmarks/kernel_parts.py --part attention-steps [--dtype float32]
 
 ``attention``: one layer's attention of the default model's shape (9 query heads over 3
 key/value heads of 64), 1-17 query tokens over 300 and 1,000 keys under a tree's additive mask
 (zeros where allowed): SDPA over packed heads (attention.py's path without the kernel) and the
-kernel on both threads and on one, median of ``--rounds`` x 300 calls, microseconds.
+kernel on both threads and on one, median of ``--rounds`` x 300 calls, microseconds; in bf16
+(the kernel's attention needs AVX-512 BF16) or float32 (AVX2).
+
+``attention-steps``: whole verification steps of the default model (``cost.ForwardStep``, as the
+cost table times them: bushy trees of 0-16 nodes after 300 and 1,000 cached tokens) with the
+kernel's attention and with torch's (``SPECSTORE_CPU_ATTENTION=0``'s path), the two alternating
+step by step in one process, ``--rounds`` x 4 steps each; medians in milliseconds and the
+median of the paired ratios.
 
 ``steps``: whole verification steps of the default model in bf16, loaded twice, one with torch's
 RMS norms and MLP middles (``SPECSTORE_CPU_FUSED=0`` as it runs) and one with the kernel's,
@@ -34,27 +42,30 @@ def _timed(fn, reps: int, rounds: int) -> float:
     return statistics.median(runs)
 
 
-def attention(rounds: int) -> None:
-    from specstore.runtime import gemm
-
-    if not gemm.has_attention():
-        print("the kernel has no bf16 attention here (needs AVX-512 BF16)")
-        return
-    print("keys | query tokens | SDPA packed | kernel | kernel, 1 thread   (us a layer)")
-    for keys in (300, 1000):
-        for nq in (1, 5, 9, 17):
-            a, b, c = _attention_times(keys, nq, rounds)
-            print(f"{keys} | {nq} | {a * 1e6:.0f} | {b * 1e6:.0f} | {c * 1e6:.0f}", flush=True)
-
-
-def _attention_times(keys: int, nq: int, rounds: int) -> tuple[float, float, float]:
+def attention(rounds: int, dtype_name: str) -> None:
     import torch
 
     from specstore.runtime import gemm
 
-    q = torch.randn(1, 9, nq, 64).bfloat16()
-    k, v = torch.randn(1, 3, keys, 64).bfloat16(), torch.randn(1, 3, keys, 64).bfloat16()
-    mask = torch.zeros(1, 1, nq, keys).bfloat16() if nq > 1 else None
+    dtype = getattr(torch, dtype_name)
+    if not gemm.has_attention(dtype=dtype):
+        print(f"the kernel has no {dtype_name} attention here (bf16 needs AVX-512 BF16, float32 AVX2 and FMA)")
+        return
+    print(f"{dtype_name}: keys | query tokens | SDPA packed | kernel | kernel, 1 thread   (us a layer)")
+    for keys in (300, 1000):
+        for nq in (1, 5, 9, 17):
+            a, b, c = _attention_times(keys, nq, rounds, dtype)
+            print(f"{keys} | {nq} | {a * 1e6:.0f} | {b * 1e6:.0f} | {c * 1e6:.0f}", flush=True)
+
+
+def _attention_times(keys: int, nq: int, rounds: int, dtype) -> tuple[float, float, float]:
+    import torch
+
+    from specstore.runtime import gemm
+
+    q = torch.randn(1, 9, nq, 64).to(dtype)
+    k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
+    mask = torch.zeros(1, 1, nq, keys).to(dtype) if nq > 1 else None
     packed, pmask = q.reshape(1, 3, 3 * nq, 64), mask.repeat(1, 1, 3, 1) if mask is not None else None
     sdpa = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(packed, k, v, attn_mask=pmask), 300, rounds)
     kernel = _timed(lambda: gemm.attention(q, k, v, mask, None), 300, rounds)
@@ -101,14 +112,47 @@ def steps(rounds: int, context: int) -> None:
         print(f"{name} | " + " | ".join(f"{statistics.median(seconds[name, n]) * 1e3:.2f}" for n in sizes))
 
 
+def attention_steps(rounds: int, dtype_name: str) -> None:
+    import numpy as np
+
+    from specstore.runtime import attention as attention_module
+    from specstore.runtime.cost import ForwardStep
+    from specstore.runtime.models import load_model
+
+    step = ForwardStep(load_model(None, dtype=dtype_name, device="cpu").model)
+    ways = {"torch's attention": False, "the kernel's": True}
+    print(f"{dtype_name} steps, ms (median of {rounds * 4}); kernel / torch: median of the paired ratios")
+    print("cached | nodes | torch's attention | the kernel's | kernel / torch")
+    try:
+        for context in (300, 1000):
+            for nodes in (0, 4, 8, 16):
+                times = {name: [] for name in ways}
+                for r in range(rounds * 4 + 2):
+                    for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+                        attention_module._KERNEL_ATTENTION = ways[name]
+                        start = time.perf_counter()
+                        step(nodes, context)
+                        if r >= 2:  # the first two rounds warm up
+                            times[name].append(time.perf_counter() - start)
+                torch_s, kernel_s = (np.array(times[name]) for name in ways)
+                print(f"{context} | {nodes} | {np.median(torch_s) * 1e3:.1f} | {np.median(kernel_s) * 1e3:.1f} | "
+                      f"{np.median(kernel_s / torch_s):.3f}", flush=True)
+    finally:
+        attention_module._KERNEL_ATTENTION = True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["attention", "steps"], default="attention")
+    p.add_argument("--part", choices=["attention", "steps", "attention-steps"], default="attention")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--context", type=int, default=300, help="cached tokens before the steps (--part steps)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="--part attention and attention-steps: the dtype of the attention / the model")
     args = p.parse_args()
     if args.part == "attention":
-        attention(args.rounds)
+        attention(args.rounds, args.dtype)
+    elif args.part == "attention-steps":
+        attention_steps(args.rounds, args.dtype)
     else:
         steps(args.rounds, args.context)
     return 0
