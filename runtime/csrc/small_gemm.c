@@ -455,20 +455,20 @@ int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pen
 
 static const float F32_ZEROS[F32_MAX_DIM]; /* the key of a list entry past the end: its sum is not read */
 
+/* e^x = 2^n x 2^f, n = round(x log2 e), f in [-0.5, 0.5], 2^f by its Taylor series to f^7
+ * (relative error < 1e-8), highest power first; x clamped to [-87, 88], so 2^n is a normal float
+ * (exp8_ps here, exp_ps in the AVX-512 section) */
+static const float EXP2_TAYLOR[8] = {1.525273380405984e-05f, 1.5403530393381608e-04f, 1.3333558146428443e-03f,
+                                     9.618129107628477e-03f, 5.550410866482158e-02f,  2.402265069591007e-01f,
+                                     6.931471805599453e-01f, 1.0f};
+
 static inline __m256 exp8_ps(__m256 x) {
-    /* e^x = 2^n x 2^f as exp_ps below (x clamped to [-87, 88], so 2^n is a normal float) */
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -838,21 +838,13 @@ int specstore_linear_bf16dp(const uint16_t *x, int64_t m, const uint16_t *panel,
 #define ATT_MAX_DIM 256
 #define ATT_LANES 16
 
-static inline __m512 exp_ps(__m512 x) {
-    /* e^x = 2^n x 2^f, n = round(x log2 e), f in [-0.5, 0.5], 2^f by its Taylor series to f^7
-     * (relative error < 1e-8); x clamped to [-87, 88] */
+static inline __m512 exp_ps(__m512 x) { /* exp8_ps's e^x (EXP2_TAYLOR), 16 lanes */
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
     return _mm512_scalef_ps(p, n);
 }
 
