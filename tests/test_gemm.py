@@ -332,6 +332,27 @@ def test_kernel_attention_rows_are_the_bits_of_plain_decodings_step(dtype):
     assert not gemm.attention_takes(q.double(), k.double(), v.double(), mask.double())
 
 
+@pytest.mark.skipif(not gemm.has_attention(dtype=torch.float32), reason="no kernel here (needs AVX2, FMA and a C compiler)")
+@pytest.mark.parametrize("dim", [40, 136])
+def test_float32_kernel_attention_takes_head_dims_not_a_multiple_of_32(dim):
+    """Head dims that are a multiple of 8 but not of 32 (the values summed in one pass over all
+    their chunks): float64's result to float32 rounding, over more cached keys than one pass of
+    values holds, and each tree row the bits of one query over its own keys."""
+    g = torch.Generator().manual_seed(dim)
+    heads, kv_heads, keys, nq = 6, 2, 211, 7
+    q, k, v = (torch.randn(1, h, n, dim, generator=g) for h, n in ((heads, nq), (kv_heads, keys), (kv_heads, keys)))
+    allowed = torch.rand(nq, keys, generator=g) > 0.5
+    allowed[:, : keys - nq] = True
+    mask = torch.zeros(1, 1, nq, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert gemm.attention_takes(q, k, v, mask)
+    got = gemm.attention(q, k, v, mask, None)
+    torch.testing.assert_close(got.double(), _attention_reference(q, k, v, mask, dim ** -0.5), rtol=1e-5, atol=1e-5)
+    for i in range(nq):
+        keep = allowed[i].nonzero().flatten()
+        alone = gemm.attention(q[:, :, i : i + 1], k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), None, None)
+        assert torch.equal(alone[0, 0], got[0, i])
+
+
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_tree_verification_gives_plain_decodings_logits_bit_for_bit(dtype):
     """The default model on a CPU with the kernel's products and attention: the logits a tree

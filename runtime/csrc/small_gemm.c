@@ -442,15 +442,18 @@ int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pen
  * times 1 / sum. Not torch's bits (its sums run in another order).
  *
  * Speed: every row of a call attends the keys before the tree (the cache) as its list's first
- * entries, so those keys' and values' reads are shared by the rows (F32_TILE rows a load, the
- * rows of a key/value head taken F32_BLOCK_ROWS at a time); each row's own entries after them
- * (its ancestors in the tree) are read for it alone. Several keys' sums run side by side
- * (F32_KEYS): one sum is a chain of dependent FMAs. */
+ * entries, so those keys and values are read from memory once for the rows of a key/value head
+ * (taken F32_BLOCK_ROWS at a time): each 8-key block stays in L1 while every row scores it
+ * (8 keys' sums side by side, one sum being a chain of dependent FMAs), and the values are summed
+ * F32_VALUE_KEYS keys at a time, F32_TILE rows sharing each value's load. Each row's own entries
+ * after them (its ancestors in the tree) are read for it alone. On a 2-core Zen 3 this ran one
+ * layer of the default model's shape 22-31% faster than tiles of three rows sharing each key's
+ * load (whose 24 partial sums did not fit the 16 registers), with the same bits (BENCHMARKS.md). */
 #define F32_LANES 8
 #define F32_MAX_DIM 256
-#define F32_KEYS 4        /* keys whose sums run side by side */
-#define F32_TILE 3        /* rows that share a key's or a value's load */
+#define F32_TILE 3        /* rows that share a value's load */
 #define F32_CHUNKS 4      /* 8-float chunks of a value row a tile sums at once (dims: a multiple of 32, or one pass) */
+#define F32_VALUE_KEYS 64 /* values a tile's pass sums before the next tile's (16 KiB at 64 dims: they stay in L1) */
 #define F32_BLOCK_ROWS 12 /* rows of one key/value head an OpenMP item takes, at most */
 
 static const float F32_ZEROS[F32_MAX_DIM]; /* the key of a list entry past the end: its sum is not read */
@@ -499,107 +502,104 @@ typedef struct {
     float *s, *o;          /* scratch [m + 8]: scores, then weights; the output [dim] */
 } f32_row;
 
+/* One row's scores of 8 list entries (their keys at kr[0 .. 7]): each key's sum over the head's
+ * dims in 8-float chunks in increasing order, the lanes added by reduce8, times the scale */
+static inline __attribute__((always_inline)) __m256 f32_scores8(const float *q, const float *const *kr,
+                                                               const int64_t dim, __m256 vscale) {
+    const int chunks = (int)(dim / F32_LANES);
+    __m256 acc[F32_LANES];
+    for (int j = 0; j < F32_LANES; j++) acc[j] = _mm256_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        const __m256 qv = _mm256_loadu_ps(q + F32_LANES * c);
+        for (int j = 0; j < F32_LANES; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + F32_LANES * c), acc[j]);
+    }
+    return _mm256_mul_ps(reduce8(acc), vscale);
+}
+
 /* Scores of list entries [0, p8) (p8 a multiple of 8, shared by every row: entry t is key t) for
- * all ``n`` rows, each 8-key block's keys read once for them all */
+ * all ``n`` rows, an 8-key block at a time for every row (the block stays in L1) */
 static inline __attribute__((always_inline)) void f32_scores_shared(const f32_row *rows, int n, const float *kh,
                                                                     const int64_t dim, int64_t p8, __m256 vscale) {
-    const int chunks = (int)(dim / F32_LANES);
-    for (int64_t t0 = 0; t0 < p8; t0 += F32_LANES)
-        for (int r0 = 0; r0 < n; r0 += F32_TILE) {
-            const float *q[F32_TILE];
-            for (int u = 0; u < F32_TILE; u++) q[u] = rows[r0 + u < n ? r0 + u : n - 1].q;
-            __m256 part[F32_TILE][F32_LANES];
-            for (int j0 = 0; j0 < F32_LANES; j0 += F32_KEYS) {
-                __m256 acc[F32_TILE][F32_KEYS];
-                for (int u = 0; u < F32_TILE; u++)
-                    for (int j = 0; j < F32_KEYS; j++) acc[u][j] = _mm256_setzero_ps();
-                const float *k0 = kh + (t0 + j0) * dim;
-                for (int c = 0; c < chunks; c++)
-                    for (int j = 0; j < F32_KEYS; j++) {
-                        const __m256 kv = _mm256_loadu_ps(k0 + j * dim + F32_LANES * c);
-                        for (int u = 0; u < F32_TILE; u++)
-                            acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[u] + F32_LANES * c), kv, acc[u][j]);
-                    }
-                for (int u = 0; u < F32_TILE; u++)
-                    for (int j = 0; j < F32_KEYS; j++) part[u][j0 + j] = acc[u][j];
-            }
-            for (int u = 0; u < F32_TILE && r0 + u < n; u++)
-                _mm256_storeu_ps(rows[r0 + u].s + t0, _mm256_mul_ps(reduce8(part[u]), vscale));
-        }
+    for (int64_t t0 = 0; t0 < p8; t0 += F32_LANES) {
+        const float *kr[F32_LANES];
+        for (int j = 0; j < F32_LANES; j++) kr[j] = kh + (t0 + j) * dim;
+        for (int r = 0; r < n; r++) _mm256_storeu_ps(rows[r].s + t0, f32_scores8(rows[r].q, kr, dim, vscale));
+    }
 }
 
 /* One row's scores of its list entries [from, m) (from a multiple of 8), its own keys */
 static inline __attribute__((always_inline)) void f32_scores_row(const f32_row *row, const float *kh, const int64_t dim,
                                                                  int64_t from, __m256 vscale) {
-    const int chunks = (int)(dim / F32_LANES);
     for (int64_t t0 = from; t0 < row->m; t0 += F32_LANES) {
-        const int64_t n = row->m - t0;
-        __m256 part[F32_LANES];
-        for (int j0 = 0; j0 < F32_LANES; j0 += F32_KEYS) {
-            const float *kr[F32_KEYS];
-            __m256 acc[F32_KEYS];
-            for (int j = 0; j < F32_KEYS; j++) {
-                kr[j] = j0 + j < n ? kh + (int64_t)row->idx[t0 + j0 + j] * dim : F32_ZEROS;
-                acc[j] = _mm256_setzero_ps();
-            }
-            for (int c = 0; c < chunks; c++)
-                for (int j = 0; j < F32_KEYS; j++)
-                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(row->q + F32_LANES * c), _mm256_loadu_ps(kr[j] + F32_LANES * c), acc[j]);
-            for (int j = 0; j < F32_KEYS; j++) part[j0 + j] = acc[j];
-        }
-        _mm256_storeu_ps(row->s + t0, _mm256_mul_ps(reduce8(part), vscale));
+        const int64_t left = row->m - t0;
+        const float *kr[F32_LANES];
+        for (int j = 0; j < F32_LANES; j++) kr[j] = j < left ? kh + (int64_t)row->idx[t0 + j] * dim : F32_ZEROS;
+        _mm256_storeu_ps(row->s + t0, f32_scores8(row->q, kr, dim, vscale));
     }
 }
 
-/* A row's scores -> e^(s - max) in place; returns 1 / their sum */
+/* A row's scores -> e^(s - max) in place; returns 1 / their sum. Whole 8-float loads and stores
+ * (the scratch holds m + 8), the lanes past m left out by a blend and a mask: AMD's masked
+ * loads and stores cost several times a plain one. */
 static inline float f32_softmax_row(const f32_row *row) {
     float *s = row->s;
-    const int64_t m = row->m;
+    const int64_t m = row->m, m8 = m - m % F32_LANES;
     if (row->mask)
         for (int64_t t = 0; t < m; t++) s[t] += row->mask[row->idx[t]];
     __m256 top = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < m; t += F32_LANES) {
-        const __m256i live = live8(m - t);
-        top = _mm256_max_ps(_mm256_blendv_ps(top, _mm256_maskload_ps(s + t, live), _mm256_castsi256_ps(live)), top);
-    }
+    for (int64_t t = 0; t < m8; t += F32_LANES) top = _mm256_max_ps(_mm256_loadu_ps(s + t), top);
+    const __m256 tail = _mm256_castsi256_ps(live8(m - m8));
+    if (m8 < m) top = _mm256_max_ps(_mm256_blendv_ps(top, _mm256_loadu_ps(s + m8), tail), top);
     float l[8], best = -INFINITY;
     _mm256_storeu_ps(l, top);
     for (int j = 0; j < 8; j++) best = l[j] > best ? l[j] : best;
     __m256 sum = _mm256_setzero_ps();
     const __m256 vbest = _mm256_set1_ps(best);
-    for (int64_t t = 0; t < m; t += F32_LANES) {
-        const __m256i live = live8(m - t);
-        __m256 e = _mm256_and_ps(exp8_ps(_mm256_sub_ps(_mm256_maskload_ps(s + t, live), vbest)), _mm256_castsi256_ps(live));
-        _mm256_maskstore_ps(s + t, live, e);
+    for (int64_t t = 0; t < m8; t += F32_LANES) {
+        const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), vbest));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (m8 < m) {
+        const __m256 e = _mm256_and_ps(exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(s + m8), vbest)), tail);
+        _mm256_storeu_ps(s + m8, e);
         sum = _mm256_add_ps(sum, e);
     }
     return 1.0f / lanes_sum8(sum);
 }
 
 /* Outputs' sums over list entries [0, p) (shared: entry t is value t) for all ``n`` rows, a tile
- * of rows and F32_CHUNKS chunks at a time (each value's chunk read once for the tile), written
- * to the rows' outputs unscaled */
+ * of rows and F32_CHUNKS chunks at a time (each value's chunk read once for the tile), over
+ * F32_VALUE_KEYS values at a time (read from memory once for all tiles; a float32 sum stored and
+ * reloaded in between is exact), written to the rows' outputs unscaled */
 static inline __attribute__((always_inline)) void f32_values_shared(const f32_row *rows, int n, const float *vh,
                                                                     const int64_t dim, int64_t p) {
     const int chunks = (int)(dim / F32_LANES);
     const int step = chunks % F32_CHUNKS ? chunks : F32_CHUNKS;
-    for (int c0 = 0; c0 < chunks; c0 += step)
-        for (int r0 = 0; r0 < n; r0 += F32_TILE) {
-            const float *w[F32_TILE];
-            for (int u = 0; u < F32_TILE; u++) w[u] = rows[r0 + u < n ? r0 + u : n - 1].s;
-            __m256 acc[F32_TILE][F32_MAX_DIM / F32_LANES];
-            for (int u = 0; u < F32_TILE; u++)
-                for (int c = 0; c < step; c++) acc[u][c] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < p; t++) {
-                const float *vr = vh + t * dim + F32_LANES * c0;
+    for (int64_t t0 = 0; t0 < p; t0 += F32_VALUE_KEYS) {
+        const int64_t t1 = p - t0 < F32_VALUE_KEYS ? p : t0 + F32_VALUE_KEYS;
+        for (int c0 = 0; c0 < chunks; c0 += step)
+            for (int r0 = 0; r0 < n; r0 += F32_TILE) {
+                const float *w[F32_TILE];
+                float *o[F32_TILE];
                 for (int u = 0; u < F32_TILE; u++) {
-                    const __m256 wt = _mm256_broadcast_ss(w[u] + t);
-                    for (int c = 0; c < step; c++) acc[u][c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + F32_LANES * c), acc[u][c]);
+                    w[u] = rows[r0 + u < n ? r0 + u : n - 1].s;
+                    o[u] = rows[r0 + u < n ? r0 + u : n - 1].o + F32_LANES * c0;
                 }
+                __m256 acc[F32_TILE][F32_MAX_DIM / F32_LANES];
+                for (int u = 0; u < F32_TILE; u++)
+                    for (int c = 0; c < step; c++) acc[u][c] = t0 ? _mm256_loadu_ps(o[u] + F32_LANES * c) : _mm256_setzero_ps();
+                for (int64_t t = t0; t < t1; t++) {
+                    const float *vr = vh + t * dim + F32_LANES * c0;
+                    for (int u = 0; u < F32_TILE; u++) {
+                        const __m256 wt = _mm256_broadcast_ss(w[u] + t);
+                        for (int c = 0; c < step; c++) acc[u][c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vr + F32_LANES * c), acc[u][c]);
+                    }
+                }
+                for (int u = 0; u < F32_TILE && r0 + u < n; u++)
+                    for (int c = 0; c < step; c++) _mm256_storeu_ps(o[u] + F32_LANES * c, acc[u][c]);
             }
-            for (int u = 0; u < F32_TILE && r0 + u < n; u++)
-                for (int c = 0; c < step; c++) _mm256_storeu_ps(rows[r0 + u].o + F32_LANES * (c0 + c), acc[u][c]);
-        }
+    }
 }
 
 /* One row's output: its sums so far (``from`` entries, in o) continued over its own entries
