@@ -148,14 +148,16 @@ def test_the_replay_streams_the_cold_buffer_every_step_and_changes_nothing_else(
 
 
 def test_each_side_of_a_prediction_is_priced_with_its_own_corrected_copy():
-    """simulate prices a method's replayed steps with the copy of the cost model that method's
-    bench steps corrected (plain steps at ar's level), and ar's with ar's (both stored in the
-    result); the table for both
-    where either copy is missing (an older result) or with --refresh-cost, never a mix."""
+    """simulate prices a method's replayed trees with the copy of the cost model that method's
+    bench steps corrected (its level and tree corrections together), and every plain forward (its
+    steps without a tree, ar's, the prefills) with ar's copy (both stored in the result); the
+    table for both where either copy is missing (an older result) or with --refresh-cost, never
+    a mix."""
     from types import SimpleNamespace
 
-    from specstore.runtime.bench.simulate import pricing
+    from specstore.runtime.bench.simulate import Replay, predicted_seconds, pricing
     from specstore.runtime.cost import CostModel
+    from specstore.runtime.decode import DecodeStats
 
     table = CostModel.flat(0.02)
     ar_copy, rest_copy, rest_aware = CostModel.flat(0.015), CostModel.flat(0.016), CostModel.flat(0.017)
@@ -165,11 +167,17 @@ def test_each_side_of_a_prediction_is_priced_with_its_own_corrected_copy():
     assert price.seconds == rest_aware.seconds and ar_price.seconds == ar_copy.seconds  # the cost-aware run's copy
     price, _ = pricing(bench, "rest", table, aware=False)
     assert price.seconds == rest_copy.seconds  # the plain run's
-    # the method's tree corrections, ar's plain-step level (ar corrects it from every step)
-    ar_copy.level, rest_aware.level, rest_aware.tree_scale = 1.05, 1.21, 0.9
+    # the method's own level with its tree corrections (learnt against it), ar's for plain forwards
+    ar_copy.level, rest_aware.level, rest_aware.tree_scale, rest_aware.tree_offset = 1.05, 1.21, 0.9, -0.2
     bench.cost_models.update({"ar": ar_copy.to_json(), "rest+cost": rest_aware.to_json()})
     price, ar_price = pricing(bench, "rest", table, aware=True)
-    assert price.level == ar_price.level == 1.05 and price.tree_scale == 0.9
+    assert (price.level, price.tree_scale, price.tree_offset, ar_price.level) == (1.21, 0.9, -0.2, 1.05)
+    stats = DecodeStats(steps=4, accepted_per_step=[1, 1, 3, 1], drafting_s=0.001)
+    rep = Replay(stats, [(0, 10), (3, 11), (0, 14)], prompt_len=10)
+    method, ar_s = predicted_seconds([rep], price, ar_price)
+    assert method == pytest.approx(ar_price.seconds_for(0, 10) + price.seconds_for(3, 11) + ar_price.seconds_for(0, 14) + 0.001)
+    assert ar_s == pytest.approx(sum(ar_price.seconds_for(0, c) for c in range(10, 10 + stats.num_tokens - 1)))
+    assert price.seconds_for(0, 10) != ar_price.seconds_for(0, 10)  # so the plain steps' pricing was tested
     assert pricing(bench, "rest", table, aware=True, refresh=True) == (table, table)
     assert pricing(bench, "dresd", table, aware=True) == (table, table)  # no copy of its own
     older = SimpleNamespace(cost_models={"rest": rest_copy.to_json()})  # before ar kept one

@@ -144,22 +144,21 @@ def replay_one(drafter, ref: Reference, max_new_tokens: int, context: int | None
 
 def predicted_seconds(replays: list[Replay], cost, ar_cost=None, drafting_s: float | None = None) -> tuple[float, float]:
     """(seconds the replayed method would take, seconds ar would take) on the same references:
-    each verification priced by ``cost`` at its tree size and context, plus the replayed
-    drafting time (``drafting_s``: that many seconds a replayed step instead); ar one 0-node
-    forward per token after the first, priced by ``ar_cost`` (None: ``cost``); both sides each request's prefill (``prefill_seconds`` of its prompt, each
-    side's model; left out where a cost model has no prefill measurement), as the bench's wall
-    times hold it."""
+    each verification of a tree priced by ``cost`` at its tree size and context, plus the
+    replayed drafting time (``drafting_s``: that many seconds a replayed step instead); a
+    verification of no tree, ar's forwards (one 0-node forward per token after the first) and
+    each request's prefill on both sides (as the bench's wall times hold it; left out where the
+    cost model has no prefill measurement) priced by ``ar_cost`` (None: ``cost``): a plain
+    forward is the same whichever method drafts (``pricing``)."""
     ar_cost = cost if ar_cost is None else ar_cost
     method = ar = 0.0
     for r in replays:
         if not r.trees:
             continue
-        prefill, ar_prefill = cost.prefill_seconds(r.prompt_len), ar_cost.prefill_seconds(r.prompt_len)
-        if prefill is not None and ar_prefill is not None:
-            method, ar = method + prefill, ar + ar_prefill
-        nodes = np.array([n for n, _ in r.trees])
-        ctx = np.array([c for _, c in r.trees])
-        method += float(sum(cost.seconds_for(int(n), int(c)) for n, c in zip(nodes, ctx, strict=True)))
+        prefill = ar_cost.prefill_seconds(r.prompt_len)
+        if prefill is not None:
+            method, ar = method + prefill, ar + prefill
+        method += float(sum((cost if n > 0 else ar_cost).seconds_for(int(n), int(c)) for n, c in r.trees))
         method += r.stats.drafting_s if drafting_s is None else drafting_s * r.stats.steps
         ar_ctx = r.prompt_len + np.arange(r.stats.num_tokens - 1)  # ar: one forward per later token
         ar += float(sum(ar_cost.seconds_for(0, int(c)) for c in ar_ctx))
@@ -267,18 +266,22 @@ def pricing(bench: BenchResult, method: str, table, aware: bool, refresh: bool =
     code-ID run, BENCHMARKS.md, seventeenth session); ``table`` for both where the bench
     stored no copy for either of them (an older result) or with ``--refresh-cost``.
 
-    The method's copy keeps its tree corrections but takes ar's ``level`` (plain decoding's
-    seconds over the table's): a plain step is the same forward whichever method drafts, and ar
-    corrected it from every one of its steps, a drafting method only from the few it gated or
-    pruned to nothing, whose last dozen set it. respec's own level on a chat-OOD run, 1.21
-    against ar's 1.05, predicted 1.14x against 1.32x measured; with ar's, 1.30x (BENCHMARKS.md,
-    eighteenth session)."""
+    ``predicted_seconds`` prices the method's trees with its own copy whole, and every plain
+    forward (its steps that verified no tree, ar's, the prefills) with ar's: a plain step is the
+    same forward whichever method drafts, and ar corrected its ``level`` from every one of its
+    steps, a drafting method only from the few it gated or pruned to nothing, whose last dozen
+    set it (respec's own level on a chat-OOD run, 1.21 against ar's 1.05, priced its plain steps
+    so that it predicted 1.14x against 1.32x measured; BENCHMARKS.md, eighteenth session). But a
+    method's tree corrections were learnt against its own level, step by step, so only the two
+    together price its trees: where that level lagged, the offset made up for it (dresd on a
+    chat-OOD run ended at level 0.91 against ar's 0.71 and offset -0.24; with ar's level its trees
+    were priced 22% below a plain step and it predicted 1.46x against 1.11x measured; with its
+    own, 1.20x; BENCHMARKS.md, thirty-second session)."""
     if refresh:
         return table, table
     price, ar_price = method_cost_model(bench, method, None, aware), method_cost_model(bench, "ar", None, False)
     if price is None or ar_price is None:
         return table, table
-    price.level = ar_price.level
     return price, ar_price
 
 
