@@ -4,6 +4,9 @@ runtime/fused.py, csrc/small_gemm.c).
     python benchmarks/kernel_parts.py --part attention [--dtype float32]
     python benchmarks/kernel_parts.py --part steps --context 300
     python benchmarks/kernel_parts.py --part attention-steps [--dtype float32]
+    git show ed88703:runtime/csrc/small_gemm.c > /tmp/old_small_gemm.c
+    python benchmarks/kernel_parts.py --part attention --dtype float32 --against /tmp/old_small_gemm.c
+    python benchmarks/kernel_parts.py --part attention-steps --dtype float32 --against /tmp/old_small_gemm.c
 
 ``attention``: one layer's attention of the default model's shape (9 query heads over 3
 key/value heads of 64), 1-17 query tokens over 300 and 1,000 keys under a tree's additive mask
@@ -16,6 +19,13 @@ cost table times them: bushy trees of 0-16 nodes after 300 and 1,000 cached toke
 kernel's attention and with torch's (``SPECSTORE_CPU_ATTENTION=0``'s path), the two alternating
 step by step in one process, ``--rounds`` x 4 steps each; medians in milliseconds and the
 median of the paired ratios.
+
+``--against SOURCE`` (``attention`` and ``attention-steps``): the kernel built from another
+source (another commit's csrc/small_gemm.c, loaded beside this checkout's) against this one's
+instead of against torch, the two alternating call by call: one layer under a tree's mask (the
+cache and each node's ancestors) over 300 / 1,000 / 2,000 keys, medians of ``--rounds`` x 4 x 20
+calls, microseconds, whether the outputs are the same bits, and the median [quartiles] of the
+paired ratios; or whole steps as above with 2,000 cached tokens too.
 
 ``steps``: whole verification steps of the default model in bf16, loaded twice, one with torch's
 RMS norms and MLP middles (``SPECSTORE_CPU_FUSED=0`` as it runs) and one with the kernel's,
@@ -76,6 +86,102 @@ def _attention_times(keys: int, nq: int, rounds: int, dtype) -> tuple[float, flo
     finally:
         torch.set_num_threads(threads)
     return sdpa, kernel, alone
+
+
+def _library_from(source: str):
+    """(the kernel of ``source``, this checkout's kernel), both loaded; this one stays the module's."""
+    from pathlib import Path
+
+    from specstore.runtime import gemm
+
+    mine, keep = gemm.library(), gemm.SOURCE
+    gemm.SOURCE = Path(source)
+    gemm._reset_for_tests()
+    try:
+        other = gemm.library()
+        reason = gemm.unavailable_reason()
+    finally:
+        gemm.SOURCE = keep
+        gemm._reset_for_tests()
+    if mine is None or other is None:
+        raise SystemExit(f"a kernel did not load: {gemm.unavailable_reason() if mine is None else reason}")
+    assert gemm.library() is not None
+    return other, mine
+
+
+def _tree_mask(nq: int, keys: int, dtype, seed: int = 0):
+    """[1, 1, nq, keys]: every row the cache (the first keys - nq) and its ancestors in a random tree."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.zeros(nq, keys, dtype=torch.bool)
+    allowed[:, : keys - nq] = True
+    for i in range(nq):
+        allowed[i, keys - nq + i] = True
+        if i:
+            parent = int(torch.randint(0, i, (1,), generator=g))
+            allowed[i, keys - nq :] |= allowed[parent, keys - nq :]
+    return torch.zeros(1, 1, nq, keys, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def attention_against(rounds: int, dtype_name: str, source: str) -> None:
+    import numpy as np
+    import torch
+
+    from specstore.runtime import gemm
+
+    dtype = getattr(torch, dtype_name)
+    libs = dict(zip(("other", "this"), _library_from(source), strict=True))
+    print(f"{dtype_name}, one layer: keys | query tokens | {source} | this checkout | same bits | this / other [quartiles]   (us)")
+    for keys in (300, 1000, 2000):
+        for nq in (1, 5, 9, 17):
+            q = torch.randn(1, 9, nq, 64).to(dtype)
+            k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
+            mask = _tree_mask(nq, keys, dtype) if nq > 1 else None
+            times, outs = {name: [] for name in libs}, {}
+            for r in range(rounds * 4 + 1):
+                for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                    gemm._lib = libs[name]
+                    start = time.perf_counter()
+                    for _ in range(20):
+                        outs[name] = gemm.attention(q, k, v, mask, None)
+                    if r:  # the first round warms up
+                        times[name].append((time.perf_counter() - start) / 20)
+            gemm._lib = libs["this"]
+            a, b = np.array(times["other"]), np.array(times["this"])
+            lo, mid, hi = np.percentile(b / a, [25, 50, 75])
+            same = "yes" if torch.equal(outs["other"], outs["this"]) else "no"
+            print(f"{keys} | {nq} | {np.median(a) * 1e6:.0f} | {np.median(b) * 1e6:.0f} | {same} | {mid:.3f} [{lo:.3f}, {hi:.3f}]",
+                  flush=True)
+
+
+def steps_against(rounds: int, dtype_name: str, source: str) -> None:
+    import numpy as np
+
+    from specstore.runtime import gemm
+    from specstore.runtime.cost import ForwardStep
+    from specstore.runtime.models import load_model
+
+    libs = dict(zip(("other", "this"), _library_from(source), strict=True))
+    step = ForwardStep(load_model(None, dtype=dtype_name, device="cpu").model)
+    print(f"{dtype_name} steps, ms (median of {rounds * 4}): cached | nodes | {source} | this checkout | this / other [quartiles]")
+    try:
+        for context in (300, 1000, 2000):
+            for nodes in (0, 4, 8, 16):
+                times = {name: [] for name in libs}
+                for r in range(rounds * 4 + 2):
+                    for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                        gemm._lib = libs[name]
+                        start = time.perf_counter()
+                        step(nodes, context)
+                        if r >= 2:  # the first two rounds warm up
+                            times[name].append(time.perf_counter() - start)
+                a, b = np.array(times["other"]), np.array(times["this"])
+                lo, mid, hi = np.percentile(b / a, [25, 50, 75])
+                print(f"{context} | {nodes} | {np.median(a) * 1e3:.1f} | {np.median(b) * 1e3:.1f} | {mid:.3f} [{lo:.3f}, {hi:.3f}]",
+                      flush=True)
+    finally:
+        gemm._lib = libs["this"]
 
 
 def steps(rounds: int, context: int) -> None:
@@ -148,8 +254,15 @@ def main() -> int:
     p.add_argument("--context", type=int, default=300, help="cached tokens before the steps (--part steps)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="--part attention and attention-steps: the dtype of the attention / the model")
+    p.add_argument("--against", metavar="SOURCE",
+                   help="another build's csrc/small_gemm.c (e.g. from git show REV:runtime/csrc/small_gemm.c): "
+                        "time this checkout's kernel against it instead of against torch")
     args = p.parse_args()
-    if args.part == "attention":
+    if args.against and args.part not in ("attention", "attention-steps"):
+        p.error("--against takes --part attention or attention-steps")
+    if args.against:
+        (attention_against if args.part == "attention" else steps_against)(args.rounds, args.dtype, args.against)
+    elif args.part == "attention":
         attention(args.rounds, args.dtype)
     elif args.part == "attention-steps":
         attention_steps(args.rounds, args.dtype)
