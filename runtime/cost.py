@@ -70,7 +70,7 @@ VERSION = 4
 # products, csrc/small_gemm.c; bf16 RMS norms and MLP middles in the kernel, fused.py; 13: greedy
 # acceptance's bf16 argmax in the kernel, sampling.py, and the timing rule's argmax through it;
 # 14: bf16 rotary embedding in the kernel, fused.py; 15: float32 attention in the kernel, csrc/small_gemm.c;
-# 16: its keys scored a row at a time and its values summed in blocks, 22-31% faster a layer)
+# 16: its keys scored a row at a time and its values summed in blocks, 14-32% faster a layer)
 VERIFIER_REVISION = 16
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a

@@ -447,7 +447,7 @@ int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pen
  * (8 keys' sums side by side, one sum being a chain of dependent FMAs), and the values are summed
  * F32_VALUE_KEYS keys at a time, F32_TILE rows sharing each value's load. Each row's own entries
  * after them (its ancestors in the tree) are read for it alone. On a 2-core Zen 3 this ran one
- * layer of the default model's shape 22-31% faster than tiles of three rows sharing each key's
+ * layer of the default model's shape 14-32% faster than tiles of three rows sharing each key's
  * load (whose 24 partial sums did not fit the 16 registers), with the same bits (BENCHMARKS.md). */
 #define F32_LANES 8
 #define F32_MAX_DIM 256
