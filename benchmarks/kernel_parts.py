@@ -88,6 +88,26 @@ def _attention_times(keys: int, nq: int, rounds: int, dtype) -> tuple[float, flo
     return sdpa, kernel, alone
 
 
+def _paired_steps(step, ways: dict, contexts: tuple[int, ...], rounds: int):
+    """Whole verification steps (``cost.ForwardStep``: bushy trees of 0-16 nodes after each of
+    ``contexts`` cached tokens) under two ways (name -> a function that switches to it), the two
+    alternating step by step and their order flipping each round, ``rounds`` x 4 each after two
+    rounds of warm-up: yields (context, nodes, {name: seconds, an array})."""
+    import numpy as np
+
+    for context in contexts:
+        for nodes in (0, 4, 8, 16):
+            times = {name: [] for name in ways}
+            for r in range(rounds * 4 + 2):
+                for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+                    ways[name]()
+                    start = time.perf_counter()
+                    step(nodes, context)
+                    if r >= 2:
+                        times[name].append(time.perf_counter() - start)
+            yield context, nodes, {name: np.array(t) for name, t in times.items()}
+
+
 def _library_from(source: str):
     """(the kernel of ``source``, this checkout's kernel), both loaded; this one stays the module's."""
     from pathlib import Path
@@ -165,21 +185,13 @@ def steps_against(rounds: int, dtype_name: str, source: str) -> None:
     libs = dict(zip(("other", "this"), _library_from(source), strict=True))
     step = ForwardStep(load_model(None, dtype=dtype_name, device="cpu").model)
     print(f"{dtype_name} steps, ms (median of {rounds * 4}): cached | nodes | {source} | this checkout | this / other [quartiles]")
+    ways = {name: (lambda lib=lib: setattr(gemm, "_lib", lib)) for name, lib in libs.items()}
     try:
-        for context in (300, 1000, 2000):
-            for nodes in (0, 4, 8, 16):
-                times = {name: [] for name in libs}
-                for r in range(rounds * 4 + 2):
-                    for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                        gemm._lib = libs[name]
-                        start = time.perf_counter()
-                        step(nodes, context)
-                        if r >= 2:  # the first two rounds warm up
-                            times[name].append(time.perf_counter() - start)
-                a, b = np.array(times["other"]), np.array(times["this"])
-                lo, mid, hi = np.percentile(b / a, [25, 50, 75])
-                print(f"{context} | {nodes} | {np.median(a) * 1e3:.1f} | {np.median(b) * 1e3:.1f} | {mid:.3f} [{lo:.3f}, {hi:.3f}]",
-                      flush=True)
+        for context, nodes, times in _paired_steps(step, ways, (300, 1000, 2000), rounds):
+            a, b = times["other"], times["this"]
+            lo, mid, hi = np.percentile(b / a, [25, 50, 75])
+            print(f"{context} | {nodes} | {np.median(a) * 1e3:.1f} | {np.median(b) * 1e3:.1f} | {mid:.3f} [{lo:.3f}, {hi:.3f}]",
+                  flush=True)
     finally:
         gemm._lib = libs["this"]
 
@@ -226,23 +238,15 @@ def attention_steps(rounds: int, dtype_name: str) -> None:
     from specstore.runtime.models import load_model
 
     step = ForwardStep(load_model(None, dtype=dtype_name, device="cpu").model)
-    ways = {"torch's attention": False, "the kernel's": True}
+    ways = {name: (lambda on=on: setattr(attention_module, "_KERNEL_ATTENTION", on))
+            for name, on in (("torch's attention", False), ("the kernel's", True))}
     print(f"{dtype_name} steps, ms (median of {rounds * 4}); kernel / torch: median of the paired ratios")
     print("cached | nodes | torch's attention | the kernel's | kernel / torch")
     try:
-        for context in (300, 1000):
-            for nodes in (0, 4, 8, 16):
-                times = {name: [] for name in ways}
-                for r in range(rounds * 4 + 2):
-                    for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
-                        attention_module._KERNEL_ATTENTION = ways[name]
-                        start = time.perf_counter()
-                        step(nodes, context)
-                        if r >= 2:  # the first two rounds warm up
-                            times[name].append(time.perf_counter() - start)
-                torch_s, kernel_s = (np.array(times[name]) for name in ways)
-                print(f"{context} | {nodes} | {np.median(torch_s) * 1e3:.1f} | {np.median(kernel_s) * 1e3:.1f} | "
-                      f"{np.median(kernel_s / torch_s):.3f}", flush=True)
+        for context, nodes, times in _paired_steps(step, ways, (300, 1000), rounds):
+            torch_s, kernel_s = (times[name] for name in ways)
+            print(f"{context} | {nodes} | {np.median(torch_s) * 1e3:.1f} | {np.median(kernel_s) * 1e3:.1f} | "
+                  f"{np.median(kernel_s / torch_s):.3f}", flush=True)
     finally:
         attention_module._KERNEL_ATTENTION = True
 
