@@ -88,24 +88,31 @@ def _attention_times(keys: int, nq: int, rounds: int, dtype) -> tuple[float, flo
     return sdpa, kernel, alone
 
 
-def _paired_steps(step, ways: dict, contexts: tuple[int, ...], rounds: int):
-    """Whole verification steps (``cost.ForwardStep``: bushy trees of 0-16 nodes after each of
-    ``contexts`` cached tokens) under two ways (name -> a function that switches to it), the two
-    alternating step by step and their order flipping each round, ``rounds`` x 4 each after two
-    rounds of warm-up: yields (context, nodes, {name: seconds, an array})."""
+def _alternating(ways: dict, run, rounds: int, warmup: int, calls: int = 1) -> dict:
+    """``run`` under each of two ways (name -> a function that switches to it), the two
+    alternating and their order flipping each round: {name: seconds a call, an array of
+    ``rounds`` rounds of ``calls`` calls, after ``warmup`` rounds}."""
     import numpy as np
 
+    times = {name: [] for name in ways}
+    for r in range(rounds + warmup):
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            ways[name]()
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            if r >= warmup:
+                times[name].append((time.perf_counter() - start) / calls)
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def _paired_steps(step, ways: dict, contexts: tuple[int, ...], rounds: int):
+    """Whole verification steps (``cost.ForwardStep``: bushy trees of 0-16 nodes after each of
+    ``contexts`` cached tokens) under two ways (``_alternating``), ``rounds`` x 4 each after two
+    rounds of warm-up: yields (context, nodes, {name: seconds, an array})."""
     for context in contexts:
         for nodes in (0, 4, 8, 16):
-            times = {name: [] for name in ways}
-            for r in range(rounds * 4 + 2):
-                for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
-                    ways[name]()
-                    start = time.perf_counter()
-                    step(nodes, context)
-                    if r >= 2:
-                        times[name].append(time.perf_counter() - start)
-            yield context, nodes, {name: np.array(t) for name, t in times.items()}
+            yield context, nodes, _alternating(ways, lambda c=context, n=nodes: step(n, c), rounds * 4, 2)
 
 
 def _library_from(source: str):
@@ -152,27 +159,27 @@ def attention_against(rounds: int, dtype_name: str, source: str) -> None:
 
     dtype = getattr(torch, dtype_name)
     libs = dict(zip(("other", "this"), _library_from(source), strict=True))
+    ways = {name: (lambda lib=lib: setattr(gemm, "_lib", lib)) for name, lib in libs.items()}
     print(f"{dtype_name}, one layer: keys | query tokens | {source} | this checkout | same bits | this / other [quartiles]   (us)")
-    for keys in (300, 1000, 2000):
-        for nq in (1, 5, 9, 17):
-            q = torch.randn(1, 9, nq, 64).to(dtype)
-            k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
-            mask = _tree_mask(nq, keys, dtype) if nq > 1 else None
-            times, outs = {name: [] for name in libs}, {}
-            for r in range(rounds * 4 + 1):
-                for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                    gemm._lib = libs[name]
-                    start = time.perf_counter()
-                    for _ in range(20):
-                        outs[name] = gemm.attention(q, k, v, mask, None)
-                    if r:  # the first round warms up
-                        times[name].append((time.perf_counter() - start) / 20)
-            gemm._lib = libs["this"]
-            a, b = np.array(times["other"]), np.array(times["this"])
-            lo, mid, hi = np.percentile(b / a, [25, 50, 75])
-            same = "yes" if torch.equal(outs["other"], outs["this"]) else "no"
-            print(f"{keys} | {nq} | {np.median(a) * 1e6:.0f} | {np.median(b) * 1e6:.0f} | {same} | {mid:.3f} [{lo:.3f}, {hi:.3f}]",
-                  flush=True)
+    try:
+        for keys in (300, 1000, 2000):
+            for nq in (1, 5, 9, 17):
+                q = torch.randn(1, 9, nq, 64).to(dtype)
+                k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
+                mask = _tree_mask(nq, keys, dtype) if nq > 1 else None
+                times = _alternating(ways, lambda q=q, k=k, v=v, mask=mask: gemm.attention(q, k, v, mask, None),
+                                     rounds * 4, 1, calls=20)
+                outs = {}
+                for name in ways:
+                    ways[name]()
+                    outs[name] = gemm.attention(q, k, v, mask, None)
+                a, b = times["other"], times["this"]
+                lo, mid, hi = np.percentile(b / a, [25, 50, 75])
+                same = "yes" if torch.equal(outs["other"], outs["this"]) else "no"
+                print(f"{keys} | {nq} | {np.median(a) * 1e6:.0f} | {np.median(b) * 1e6:.0f} | {same} | {mid:.3f} [{lo:.3f}, {hi:.3f}]",
+                      flush=True)
+    finally:
+        gemm._lib = libs["this"]
 
 
 def steps_against(rounds: int, dtype_name: str, source: str) -> None:
