@@ -26,6 +26,9 @@ class PromptRecord(BaseModel):
     retrieval_ms: list[float] = Field(default_factory=list, description="per-step drafting latency")
     identical_to_ar: bool | None = None
     first_diff: int | None = Field(None, description="first generated position differing from ar, if any")
+    host_other_s: float | None = Field(
+        None, description="CPU seconds other processes used during the run (runtime/bench/host.py; None: not measured)")
+    host_steal_s: float | None = Field(None, description="seconds the hypervisor took the cores during the run (ditto)")
     prompt_ids: list[int] | None = Field(None, description="stored for ar only: the simulator's references")
     output_ids: list[int] | None = Field(None, description="stored for ar only")
 

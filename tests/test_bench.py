@@ -3,6 +3,7 @@ the result has its contract fields, lossless methods are identical to ar in floa
 simulator reproduces the bench's MAT exactly, and both commands run end to end from the CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -79,10 +80,12 @@ def test_bench_result_contract(bench_setup, tmp_path):
     assert result.methods["ar"].mat == 1.0
     assert result.methods["rest"].mat > 1.0 and result.methods["dresd"].mat > 1.0
     assert result.datastore == "code@1" and len(result.manifest_sha256) == 64
+    if Path("/proc/stat").exists():  # every run's other work on the host was measured (bench/host.py)
+        assert all(r.host_other_s is not None and r.host_other_s >= 0 and r.host_steal_s >= 0 for r in result.prompts)
     out = tmp_path / "r.json"
     out.write_text(result.model_dump_json())
     md = report([str(out)], tmp_path / "plots")
-    assert "| rest |" in md and "| rest+cost |" in md and (tmp_path / "plots" / "r_mat_speedup.png").is_file()
+    assert "| rest |" in md and "| rest+cost |" in md and ("Host" in md) == Path("/proc/stat").exists() and (tmp_path / "plots" / "r_mat_speedup.png").is_file()
     lo, hi = result.methods["rest+cost"].speedup_ci
     assert f"{result.methods['rest+cost'].speedup_vs_ar:.2f}x [{lo:.2f}, {hi:.2f}]" in md
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specstore.runtime.bench.host import DISTURBED_CORES, other_cores
 from specstore.runtime.errors import SpecstoreError
 from specstore.schemas.bench import BenchResult
 
@@ -50,6 +51,7 @@ def markdown_table(result: BenchResult, title: str) -> str:
             f"| {name} | {m.mat:.2f} | {m.acceptance_rate:.1%} | {m.tokens_per_s:.1f} | {_speedup(m)} "
             f"| {m.drafting_share:.1%} | {_fmt(m.retrieval_ms_median, '.3f')} | {ident} |"
         )
+    lines += host_lines(result)
     categories = sorted({c for m in result.methods.values() for c in m.per_category})
     if len(categories) > 1:
         lines += ["", "MAT per category:", "", "| method | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
@@ -57,6 +59,27 @@ def markdown_table(result: BenchResult, title: str) -> str:
             cells = [_fmt(m.per_category[c].mat) if c in m.per_category else "-" for c in categories]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def host_lines(result: BenchResult) -> list[str]:
+    """What else the host did during the runs (bench/host.py): the runs where other work
+    averaged at least ``DISTURBED_CORES`` cores, whose times are not the method's alone; a line
+    saying the host was quiet otherwise; nothing where it was not measured (older files, not Linux)."""
+    cpus = result.machine.get("cpu_count")
+    cpus = int(cpus) if isinstance(cpus, int | float) else None
+    loads = [(r, other_cores(r.host_other_s, r.host_steal_s or 0.0, r.wall_s, cpus)) for r in result.prompts
+             if r.host_other_s is not None]
+    if not loads:
+        return []
+    disturbed = sorted(((r, c) for r, c in loads if c >= DISTURBED_CORES), key=lambda rc: -rc[1])
+    if not disturbed:
+        return ["", f"Host: quiet; other work averaged at most {max(c for _, c in loads):.2f} cores in any of the "
+                f"{len(loads)} runs (processes besides the bench, and the hypervisor's steal)."]
+    shown = ", ".join(f"{r.prompt_id}{'' if r.turn == 1 else f'/{r.turn}'} {r.method} ({c:.2f})" for r, c in disturbed[:8])
+    more = f" and {len(disturbed) - 8} more" if len(disturbed) > 8 else ""
+    return ["", f"**Host busy**: other work (processes besides the bench, the hypervisor's steal) averaged "
+            f"{DISTURBED_CORES} cores or more during {len(disturbed)} of {len(loads)} runs, so their times are not "
+            f"the method's alone: prompt method (cores) {shown}{more}. Rerun on a quiet machine to compare speeds."]
 
 
 def plot(result: BenchResult, out_dir: Path, stem: str) -> list[Path]:

@@ -25,6 +25,7 @@ import transformers
 from tqdm import tqdm
 
 from specstore.runtime.api import generate, prompt_ids
+from specstore.runtime.bench.host import HostMeter, Load
 from specstore.runtime.bench.metrics import first_difference, summarise
 from specstore.runtime.bench.questions import Question, load_questions
 from specstore.runtime.datastore import Datastore
@@ -186,6 +187,12 @@ def variant_options(options: dict, label: str) -> dict:
     return {**options.get(base_method(label), {}), **options.get(label.removesuffix(COST_SUFFIX), {})}
 
 
+def _record_load(out: Outcome, load: Load | None) -> None:
+    """Put the other work on the host during a run (host.py; None: not measured) in its record."""
+    if load is not None:
+        out.record = out.record.model_copy(update={"host_other_s": round(load.other_s, 4), "host_steal_s": round(load.steal_s, 4)})
+
+
 def _run_method(drafter: TimedDrafter, model, tokenizer, ids, max_new_tokens, temperature, seed, meta) -> Outcome:
     start = time.perf_counter()
     res = generate(model, tokenizer, ids, drafter=drafter, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -263,6 +270,7 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
     generate(lm.model, lm.tokenizer, "Hello", drafter="ar", max_new_tokens=4)
 
     records: list[PromptRecord] = []
+    meter = HostMeter()  # what else the cores did during each run (nothing where the host does not say)
     bar = tqdm(total=len(qs) * turns, desc="bench", disable=not progress, dynamic_ncols=True)
     for q in qs:
         history: list[dict] = []
@@ -275,10 +283,12 @@ def run_bench(*, store, datastore: str | None, questions: str, methods: list[str
             meta = {"prompt_id": q.question_id, "category": q.category, "turn": turn}
             outs = {}
             for m in run_order(methods, len(records) // len(methods)):
+                sample = meter.start()
                 if m in HF_METHODS:
                     outs[m] = _run_hf(m, lm.model, lm.tokenizer, ids, max_new_tokens, meta)
                 else:
                     outs[m] = _run_method(drafters[m], lm.model, lm.tokenizer, ids, max_new_tokens, temperature, 0, meta)
+                _record_load(outs[m], meter.stop(sample))
             ar_out = outs["ar"]
             for m in methods:
                 out = outs[m]
