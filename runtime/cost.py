@@ -54,6 +54,12 @@ PREFILL_REPEATS = 5
 PLAIN_REPEATS = 3  # plain decoding's cell is timed this many times per round (its median prices every tree)
 ONLINE_PRIOR = 20.0  # observe: the measured table counts as this many steps
 ONLINE_MEMORY = 200.0  # observe: steps of memory (older ones fade by 1 - 1/this per step)
+# observe: a step counts as at most this many times (and at least 1/this of) what the corrected
+# model predicts for it: one preempted step (a compile beside the bench made one take 135 ms a
+# step where 38 was usual, BENCHMARKS.md, thirty-third session) would otherwise move the level by
+# its excess over ONLINE_MEMORY (a 100x step: +50%) and the tree line with it; a lasting change of
+# speed is still followed, by up to this factor a step's worth
+ONLINE_CLIP = 2.0
 # of the cache file's layout and how its table is measured (2: whole verification steps, not forwards
 # alone; 3: the prefill line; 4: tree prices as ratios to their round's plain steps, more rounds while uncertain)
 VERSION = 4
@@ -168,6 +174,10 @@ class CostModel:
         seconds, starting where it is (1 for a measured table) as ``ONLINE_PRIOR`` steps' worth
         that fade like any step, with a memory of ``ONLINE_MEMORY`` steps.
 
+        Every step counts as at most ``ONLINE_CLIP`` times (and at least 1 / ``ONLINE_CLIP`` of)
+        what the corrected model predicts for it: a step the host preempted is not the machine's
+        speed (on a quiet host no step measured past 1.74x the table's).
+
         Tree steps fit a line to their measured extra over plain decoding (relative, ``y``)
         against the table's (``x``): ``y = tree_offset + tree_scale * x``, least squares over
         the fading steps with a prior that does not fade, pulling the line to where it started:
@@ -190,11 +200,12 @@ class CostModel:
         decay = 1.0 - 1.0 / ONLINE_MEMORY
         self._sums = [x * decay for x in self._sums]
         if nodes <= 0:
-            self._sums[0] += seconds / t0
+            self._sums[0] += _clip(seconds / t0, self.level)
             self._sums[1] += 1.0
         else:
             x = self._scalar_seconds(nodes, context) / t0 - 1.0  # the table's relative tree part
-            y = seconds / (self.level * t0) - 1.0  # the measured one
+            predicted = 1.0 + self.tree_scale * x + self.tree_offset  # relative to plain decoding
+            y = _clip(seconds / (self.level * t0), predicted) - 1.0  # the measured one
             for k, v in enumerate((1.0, x, y, x * x, x * y), start=2):
                 self._sums[k] += v
         self.observed += 1
@@ -312,6 +323,13 @@ class CostModel:
     def flat(cls, seconds: float = 1.0) -> CostModel:
         """Every tree costs what plain decoding costs (for tests and what-ifs)."""
         return cls([0, 64], [0], [[seconds, seconds]], {"flat": seconds})
+
+
+def _clip(measured: float, predicted: float) -> float:
+    """``measured`` within a factor ``ONLINE_CLIP`` of ``predicted`` (observe)."""
+    if predicted <= 0:
+        return measured
+    return min(max(measured, predicted / ONLINE_CLIP), predicted * ONLINE_CLIP)
 
 
 def _pad_targets(nodes: Sequence[int], seconds: Sequence[Sequence[float]]) -> list[int]:
