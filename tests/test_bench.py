@@ -228,6 +228,42 @@ def test_simulate_sweep_end_to_end(bench_setup, tmp_path, capsys):
         assert r["mat"] == pytest.approx(result.methods[r["method"] + "+cost"].mat, abs=1e-12), r["method"]
 
 
+def test_simulate_names_the_replays_other_work_on_the_host_disturbed(bench_setup, tmp_path, capsys, monkeypatch):
+    """Each replay's drafting is timed and priced, so simulate meters the host around it
+    (bench/host.py) and says which replays other work disturbed; not with --drafting-ms."""
+    from specstore.runtime.bench import simulate as simulate_module
+    from specstore.runtime.bench.host import Load
+    from specstore.runtime.cli import main
+
+    folder, model, _, result = bench_setup
+    refs = tmp_path / "refs.json"
+    refs.write_text(result.model_dump_json())
+    args = ["simulate", "--store", str(folder / "store"), "--datastore", "code", "--references", str(refs),
+            "--methods", "pld,rest", "--model", str(model), "--cost-aware", "off"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    if Path("/proc/stat").exists():
+        assert all(r["host_cores"] is not None and r["host_cores"] >= 0 for r in rows)
+
+    class Busy:  # rest's replay ran beside 0.9 cores of other work, pld's alone
+        def __init__(self):
+            self.calls = 0
+
+        def start(self):
+            return object()
+
+        def stop(self, _):
+            self.calls += 1
+            return Load(1.0, 0.9 if self.calls == 2 else 0.0, 0.0)
+
+    monkeypatch.setattr(simulate_module, "HostMeter", Busy)
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert f"**Host busy** during the replays of rest {{}} ({Load(1.0, 0.9, 0.0).cores:.2f} cores)" in table and "pld {}" not in table.split("Host busy")[1]
+    assert main([*args, "--drafting-ms", "0.25"]) == 0  # drafting priced at a fixed figure: timings do not matter
+    assert "Host busy" not in capsys.readouterr().out
+
+
 def test_respec_headroom_replays_as_simulate_and_bounds_what_it_lost(bench_setup, tmp_path, capsys):
     """benchmarks/respec_headroom.py: its hooks leave the replay as simulate's (the bench's MAT
     again) and the classes as they were; the oracles bound what the tree got."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specstore.runtime.bench.host import DISTURBED_CORES, HostMeter
 from specstore.runtime.bench.runner import COST_SUFFIX, parse_options, parse_value
 from specstore.runtime.decode import DecodeStats, context_limit, decode
 from specstore.runtime.drafters.registry import (
@@ -312,6 +313,7 @@ def run_simulate_command(args) -> int:
     if fixed is not None and not (fixed >= 0 and np.isfinite(fixed)):
         raise SpecstoreError(f"--drafting-ms must be a finite number >= 0, got {args.drafting_ms}")
     rows = []
+    meter = HostMeter()  # other work on the host during each replay (its drafting is timed)
     for m in methods:
         grid = sweeps.get(m, {})
         keys = sorted(grid)
@@ -323,9 +325,11 @@ def run_simulate_command(args) -> int:
         group = []
         for combo in itertools.product(*values) if keys else [()]:
             opts = {**base.get(m, {}), **dict(zip(keys, combo, strict=True))}
+            sample = meter.start()
             reps = replay(lambda m=m, opts=opts, c=with_cost: fixed_drafting(make_drafter(m, datastore=ds, cost=c, **opts), fixed),
                           refs, bench.max_new_tokens, lm.model if need_states else None,
                           context_limit(lm.model) if lm is not None else None, evict)
+            load = meter.stop(sample)
             sims = [r.stats for r in reps]
             tokens, steps = sum(s.num_tokens for s in sims), sum(s.steps for s in sims)
             drafted = sum(s.num_drafted for s in sims)
@@ -335,7 +339,8 @@ def run_simulate_command(args) -> int:
                           "drafted_per_step": drafted / max(steps - len(sims), 1),
                           "drafting_ms_per_step": 1e3 * drafting / steps if steps else 0.0,
                           "predicted_speedup": predicted_speedup(reps, price, ar_price, fixed), "num_prompts": len(sims),
-                          "mat_by_category": mat_by_category(sims, categories)})
+                          "mat_by_category": mat_by_category(sims, categories),
+                          "host_cores": None if load is None else round(load.cores, 3)})
         group.sort(key=lambda r: -(r["predicted_speedup"] or 0.0))  # a sweep: best predicted shape first
         for rank, r in enumerate(group, start=1):
             r["rank"] = rank
@@ -349,6 +354,12 @@ def run_simulate_command(args) -> int:
             pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x"
             print(f"| {r['method']} | {json.dumps(r['options'])} | {'on' if r['cost_aware'] else 'off'} | {r['mat']:.3f} "
                   f"| {r['drafted_per_step']:.1f} | {r['drafting_ms_per_step']:.2f} | {pred} | {r['rank']} |")
+        busy = [r for r in rows if fixed is None and (r["host_cores"] or 0.0) >= DISTURBED_CORES]
+        if busy:
+            named = ", ".join(f"{r['method']} {json.dumps(r['options'])} ({r['host_cores']:.2f} cores)" for r in busy)
+            print(f"\n**Host busy** during the replays of {named}: other work averaged {DISTURBED_CORES} cores or more, so "
+                  "their drafting times (priced into their trees and the predicted speedups) are not the drafter's alone. "
+                  "Rerun on a quiet machine, or give --drafting-ms.")
         if getattr(args, "by_category", False):
             cats = list(dict.fromkeys(categories))
             print("\n| method | options | " + " | ".join(cats) + " |\n|---|---|" + "---|" * len(cats))
