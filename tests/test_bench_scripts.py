@@ -1,6 +1,7 @@
 """The benchmark scripts' own logic that their figures rest on: the chat stream's held-out split
 (by instruction, never by row), the serving loop's paired before/after comparison and the paired
-ratio of two methods' tokens/s (benchmarks/paired_ratio.py)."""
+ratio of two methods' tokens/s (benchmarks/paired_ratio.py), and the check of issue 16's targets
+(benchmarks/issue16_targets.py)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,60 @@ def test_paired_ratio_reprices_drafting_per_step_of_the_same_prompt():
     assert like[1] is prompts[1] and prompts[0].wall_s == 2.0  # others as they were, the input untouched
     none = mod.repriced(prompts, "a", "none")
     assert [r.wall_s for r in none] == [1.5, 3.0, 0.8]
+
+
+def test_issue16_targets_checks_each_target_and_fails_the_ones_missed(tmp_path, capsys):
+    """benchmarks/issue16_targets.py: a target holds on the point estimate; one missed makes the
+    exit status 1 and its row says no; identity is checked only in float32; the simulator's rows
+    come from simulate's table or its --json output."""
+    from specstore.schemas.bench import BenchResult, MethodResult, PromptRecord, Summary
+
+    mod = _load("issue16_targets")
+
+    def rec(method, pid, wall):
+        return PromptRecord(method=method, prompt_id=str(pid), category="c", num_tokens=100, steps=10,
+                            accepted_per_step=[10] * 10, num_drafted=0, num_accepted=0, wall_s=wall, drafting_s=0.0,
+                            verifying_s=wall)
+
+    # seconds per prompt: respec 2.1x ar, SuffixDecoding 1.7x (respec 1.235x ahead), dresd 1.2x, rest 1.3x
+    walls = {"ar": 4.2, "pld": 3.0, "rest": 4.2 / 1.3, "dresd": 3.5, "respec": 2.0, "suffixdecoding": 4.2 / 1.7}
+
+    def result(dtype, pld_mat_b):
+        prompts = [rec(m, p, w * (1 + 0.01 * p)) for p in range(4) for m, w in walls.items()]
+        methods = {}
+        for m, w in walls.items():
+            cats = {c: Summary(num_prompts=2, num_tokens=200, mat=mat, acceptance_rate=0.1, tokens_per_s=1.0,
+                               speedup_vs_ar=1.0, drafting_share=0.0)
+                    for c, mat in {"a": 2.0 if m == "respec" else 1.5, "b": 2.0 if m == "respec" else pld_mat_b}.items()}
+            methods[m] = MethodResult(num_prompts=4, num_tokens=400, mat=1.5, acceptance_rate=0.1, tokens_per_s=1.0,
+                                      speedup_vs_ar=walls["ar"] / w, speedup_ci=(0.9 * walls["ar"] / w, 1.1 * walls["ar"] / w),
+                                      drafting_share=0.0, lossless=True, identical_to_ar=None if m == "ar" else m != "pld",
+                                      per_category=cats)
+        return BenchResult(created_at="t", command="c", machine={}, device="cpu", dtype=dtype, model="m", datastore="d@1",
+                           manifest_sha256=None, torch_version="t", transformers_version="t", questions="q",
+                           max_new_tokens=8, temperature=0.0, methods=methods, prompts=prompts)
+
+    rows = {(t, s): (text, holds) for t, s, text, holds in mod.check({"code-id": result("bfloat16", 1.8)})}
+    assert rows[("respec >= 2.0x ar", "code-id")][1] is True
+    assert rows[("respec >= 1.15x SuffixDecoding (paired)", "code-id")][0].startswith("1.235 [")
+    assert rows[("dresd >= rest (paired)", "code-id")][1] is False  # 1.2x against 1.3x
+    assert rows[("respec MAT >= pld MAT, each category", "code-id")] == ("2 of 2 categories; closest b: 2.00 / 1.80", True)
+    assert rows[("identical to ar (float32)", "code-id")] == ("bfloat16: not checked", None)
+    path = tmp_path / "r.json"
+    path.write_text(result("float32", 2.5).model_dump_json())
+    table = tmp_path / "sim.txt"
+    table.write_text("| method | options | cost-aware | MAT | drafted tokens per step | drafting ms per step | predicted speedup vs ar | rank |\n"
+                     "|---|---|---|---|---|---|---|---|\n| respec | {} | on | 2.0 | 5.0 | 1.0 | 2.50x | 1 |\n"
+                     "| dresd | {} | on | 1.5 | 5.0 | 1.0 | 1.25x | 1 |\n")
+    code = mod.main([f"chat-large={path}", "--predicted", f"chat-large={table}"])
+    out = capsys.readouterr().out
+    assert code == 1 and "chat-large: d@1, cpu float32, 4 prompts" in out
+    assert "| respec MAT >= pld MAT, each category | chat-large | 1 of 2 categories; closest b: 2.00 / 2.50; below in b | **no** |" in out
+    assert "| identical to ar (float32) | chat-large | 4 of 5 methods; differ: pld | **no** |" in out
+    assert "| simulator within 10%: respec | chat-large | predicted 2.50x, measured 2.10x (+19.0%) | **no** |" in out
+    assert "| simulator within 10%: dresd | chat-large | predicted 1.25x, measured 1.20x (+4.2%) | yes |" in out
+    assert "| respec >= 1.7x ar | chat-large | 2.10x [1.89, 2.31] | yes |" in out
+    (tmp_path / "sim.json").write_text(json.dumps([{"method": "rest", "predicted_speedup": 1.3, "rank": 1}]))
+    assert mod.main([f"code-full={path}", "--predicted", f"code-full={tmp_path / 'sim.json'}"]) == 1
+    assert "| simulator within 10%: rest | code-full | predicted 1.30x, measured 1.30x (+0.0%) | yes |" in capsys.readouterr().out
+    assert mod.main([f"nowhere={path}"]) == 2 and "SET one of" in capsys.readouterr().err
