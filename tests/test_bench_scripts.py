@@ -166,3 +166,53 @@ def test_issue16_targets_checks_each_target_and_fails_the_ones_missed(tmp_path, 
     assert mod.main([f"code-full={path}", "--predicted", f"code-full={tmp_path / 'sim.json'}"]) == 1
     assert "| simulator within 10%: rest | code-full | predicted 1.30x, measured 1.30x (+0.0%) | yes |" in capsys.readouterr().out
     assert mod.main([f"nowhere={path}"]) == 2 and "SET one of" in capsys.readouterr().err
+
+
+def test_issue16_run_builds_what_is_missing_benches_every_set_and_checks_the_targets(tmp_path, monkeypatch, capsys):
+    """benchmarks/issue16_run.py's plan, its CLI calls recorded instead of run: a datastore
+    already in its store is not built again, each set benches its own prompts (fewer with
+    --prompts), simulate's JSON goes to the check, and the check's status is the exit status."""
+    mod = _load("issue16_run")
+    calls, built = [], {"code-id"}  # code-id is in its store already
+    monkeypatch.setattr(mod, "has_datastore", lambda store, name: name in built)
+    monkeypatch.setattr(mod, "run", lambda cmd, log: calls.append(cmd))
+    monkeypatch.setattr(mod, "prepare_chat", lambda corpora, records, ids: (corpora / "chat_ood.jsonl", None))
+    monkeypatch.setattr(mod, "prepare_full", lambda corpora: {"code": corpora / "code_full.jsonl", "chat": corpora / "chat.jsonl"})
+    monkeypatch.setattr(mod, "sample_mt_bench", lambda corpora, n: corpora / f"mt_{n}.jsonl")
+
+    class Done:
+        def __init__(self, cmd, returncode=0, stdout=""):
+            self.args, self.returncode, self.stdout, self.stderr = cmd, returncode, stdout, ""
+
+    checked = []
+
+    def fake_run(cmd, **_):
+        if "simulate" in cmd:
+            return Done(cmd, stdout='[{"method": "pld", "predicted_speedup": 1.2, "rank": 1}]')
+        checked.append(cmd)
+        return Done(cmd, returncode=1, stdout="| target | set | measured | holds |\n")
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    code = mod.main(["--sets", "code-id,chat-large", "--store", str(tmp_path / "small"), "--full-store", str(tmp_path / "full"),
+                     "--corpora", str(tmp_path / "corpora"), "--out", str(tmp_path / "out"), "--prompts", "3"])
+    assert code == 1  # the check's status
+    builds = [c for c in calls if "build" in c]
+    benches = [c for c in calls if "bench" in c]
+    assert len(builds) == 1 and builds[0][builds[0].index("--name") + 1] == "chat-large"
+    assert builds[0][builds[0].index("--store") + 1] == str(tmp_path / "full")
+    assert builds[0][builds[0].index("--corpus") + 1] == str(tmp_path / "corpora" / "chat.jsonl")
+    assert [b[b.index("--datastore") + 1] for b in benches] == ["code-id", "chat-large"]
+    assert [b[b.index("--limit") + 1] for b in benches] == ["3", "3"]  # 24 and 32 without --prompts
+    assert benches[0][benches[0].index("--skip") + 1] == "1900" and "respec.head=auto" in benches[0]
+    assert benches[1][benches[1].index("--questions") + 1] == str(tmp_path / "corpora" / "mt_4.jsonl")
+    out = tmp_path / "out"
+    assert checked[0][2:] == [f"code-id={out / 'code_id.json'}", f"chat-large={out / 'chat_large.json'}",
+                              "--predicted", f"code-id={out / 'simulate_code_id.json'}",
+                              "--predicted", f"chat-large={out / 'simulate_chat_large.json'}"]
+    assert (out / "simulate_code_id.json").read_text().startswith("[{") and (out / "targets.md").is_file()
+    try:
+        mod.main(["--sets", "code-id,nowhere"])
+    except SystemExit as exc:
+        assert exc.code == 2 and "nowhere" in capsys.readouterr().err
+    else:
+        raise AssertionError("an unknown set must be refused")
