@@ -518,11 +518,11 @@ def test_cost_aware_modes_select_methods():
     from specstore.runtime.errors import SpecstoreError
 
     assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "on")] == ["pld", "rest", "dresd", "respec"]
-    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "auto")] == ["rest", "dresd", "respec"]
+    assert [m for m in ("ar", "pld", "rest", "dresd", "respec") if uses_cost(m, "auto")] == ["pld", "rest", "dresd", "respec"]
     assert not any(uses_cost(m, "off") for m in ("ar", "pld", "rest", "dresd", "respec"))
     assert drafter_labels(["ar", "pld", "rest"], "both") == {"ar": ("ar", False), "pld": ("pld", False), "pld+cost": ("pld", True),
                                                             "rest": ("rest", False), "rest+cost": ("rest", True)}
-    assert drafter_labels(["ar", "pld", "rest"], "auto") == {"ar": ("ar", False), "pld": ("pld", False), "rest": ("rest", True)}
+    assert drafter_labels(["ar", "pld", "rest"], "auto") == {"ar": ("ar", False), "pld": ("pld", True), "rest": ("rest", True)}
     with pytest.raises(SpecstoreError, match="cost-aware must be one of"):
         drafter_labels(["pld"], "sometimes")
     # METHOD:NAME runs METHOD again under its own label, cost-aware as METHOD is

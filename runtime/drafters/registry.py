@@ -56,12 +56,13 @@ COST_AWARE_MODES = ("auto", "on", "off")
 COST_AWARE_DEFAULT = "auto"
 COST_AWARE_HELP = ("size each draft tree by expected committed tokens per second under this machine's measured "
                    "verification cost (runtime/cost.py; pld, rest, dresd, respec); off: the methods' fixed caps; "
-                   "auto: on for rest, dresd and respec, where it measured or replayed faster")
+                   "auto: on for pld, rest, dresd and respec, where it measured or replayed faster")
 
 _D = "specstore.runtime.drafters."
 METHODS: dict[str, Method] = {
     "ar": Method(_D + "ar:create"),
-    "pld": Method(_D + "pld:create", overlay=True, cost_options={"num_draft_tokens": 16}),
+    # pld cost-aware since the thirty-third session: 4-5% faster on both tune splits, and fewer prompts below ar
+    "pld": Method(_D + "pld:create", overlay=True, cost_options={"num_draft_tokens": 16}, cost_default=True),
     "rest": Method(_D + "rest:create", suffix=True, overlay=True, cost_options={}, cost_default=True),
     "dresd": Method(_D + "dresd:create", dense=True, states=True, cost_options={}, cost_default=True),
     "respec": Method(_D + "respec:create", suffix=True, dense=True, states=True, cli=_D + "respec_cli", sparse_ok=True,
