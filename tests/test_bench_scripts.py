@@ -174,6 +174,7 @@ def test_issue16_run_builds_what_is_missing_benches_every_set_and_checks_the_tar
     --prompts), simulate's JSON goes to the check, and the check's status is the exit status."""
     mod = _load("issue16_run")
     calls, built = [], {"code-id"}  # code-id is in its store already
+    monkeypatch.setattr(mod, "DATA", tmp_path)  # the corpora's folder (../shared/data) need not exist here
     monkeypatch.setattr(mod, "has_datastore", lambda store, name: name in built)
     monkeypatch.setattr(mod, "run", lambda cmd, log: calls.append(cmd))
     monkeypatch.setattr(mod, "prepare_chat", lambda corpora, records, ids: (corpora / "chat_ood.jsonl", None))
