@@ -87,3 +87,5 @@ def test_report_names_the_runs_other_work_disturbed():
     assert "**Host busy**" in text and "1 of 4 runs" in text and f"{DISTURBED_CORES}" in text
     assert f"2 pld ({other_cores(3.0, 0.0, 4.0, cpu_count=2):.2f})" in text
     assert host_lines(_result([_record("ar", "1", 2.0, None)])) == []  # not measured (an older file): nothing said
+    below = 2.0 * (DISTURBED_CORES - 0.001) + 2 / host.TICKS  # just under the bound, after the ticks' slack
+    assert "at most 0.24 cores" in host_lines(_result([_record("ar", "1", 2.0, below)]))[1]

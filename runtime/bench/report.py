@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from specstore.runtime.bench.host import DISTURBED_CORES, other_cores
@@ -72,8 +73,8 @@ def host_lines(result: BenchResult) -> list[str]:
     if not loads:
         return []
     disturbed = sorted(((r, c) for r, c in loads if c >= DISTURBED_CORES), key=lambda rc: -rc[1])
-    if not disturbed:
-        return ["", f"Host: quiet; other work averaged at most {max(c for _, c in loads):.2f} cores in any of the "
+    if not disturbed:  # the largest shown rounded down: 0.249 is below the bound, not "0.25"
+        return ["", f"Host: quiet; other work averaged at most {math.floor(100 * max(c for _, c in loads)) / 100:.2f} cores in any of the "
                 f"{len(loads)} runs (processes besides the bench, and the hypervisor's steal)."]
     shown = ", ".join(f"{r.prompt_id}{'' if r.turn == 1 else f'/{r.turn}'} {r.method} ({c:.2f})" for r, c in disturbed[:8])
     more = f" and {len(disturbed) - 8} more" if len(disturbed) > 8 else ""
