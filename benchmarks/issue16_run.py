@@ -35,19 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import issue16_targets  # noqa: E402
 from reference_compare import prepare as prepare_full  # noqa: E402
-from run_all import DATA, ROOT, prepare_chat, sample_mt_bench, train_head  # noqa: E402
+from run_all import DATA, ROOT, prepare_chat, run, sample_mt_bench, train_head  # noqa: E402
 
 CODE = DATA / "codealpaca" / "code_alpaca_2k.jsonl.gz"
 SETS = issue16_targets.SETS
-
-
-def run(cmd: list[str], log: Path) -> None:
-    """Run a CLI step, its output to ``log``; on failure say where to look."""
-    print("+", " ".join(cmd), flush=True)
-    with open(log, "w") as handle:
-        proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\nsee {log}")
 
 
 def has_datastore(store: Path, name: str) -> bool:

@@ -45,7 +45,9 @@ def run(cmd: list[str], log: Path | None = None) -> None:
         subprocess.run(cmd, check=True)
     else:
         with open(log, "w") as handle:
-            subprocess.run(cmd, check=True, stdout=handle, stderr=subprocess.STDOUT)
+            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:  # its output is in the log, not on the screen: say where
+            raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\nsee {log}")
     print(f"  ({time.time() - start:.0f} s)", flush=True)
 
 
