@@ -27,7 +27,6 @@ from specstore.runtime.decode import decode
 from specstore.runtime.drafters.cost_aware import (
     Calibrator,
     CostAwareDrafter,
-    DraftGate,
     best_size,
     path_probabilities,
     prune,
@@ -719,75 +718,11 @@ def test_padded_verification_is_identical_to_ar(family, monkeypatch):
     assert all(pad == 0 for n, pad in rows if n == 0 or n >= 3)
 
 
-def test_the_gate_closes_on_drafting_that_does_not_pay_and_probes_again_with_backoff():
-    """Steps that commit fewer tokens than the plain steps they cost close the gate after the
-    warm-up: 8 plain steps, then a 4-step probe judged alone, then 16, 32, 64, 64; a probe that
-    pays reopens it for good and the next closure starts at 8 again. Paying steps never close it."""
-    paying = DraftGate()
-    for _ in range(200):
-        assert paying.open()
-        paying.record(2, 1.3)
-    assert paying.closures == 0 and paying.skipped == 0
-
-    gate = DraftGate()
-    plain_runs = []
-    for _ in range(7):
-        assert gate.open()
-        gate.record(1, 1.05)  # nothing accepted, drafting and a node cost 5%
-    assert gate.closures == 0 and gate.open()
-    gate.record(1, 1.05)
-    assert gate.closures == 1
-    for _ in range(5):
-        run = 0
-        while not gate.open():
-            run += 1
-        plain_runs.append(run)
-        for _ in range(3):
-            gate.record(1, 1.05)
-            assert gate.open()
-        gate.record(1, 1.05)
-    assert plain_runs == [8, 16, 32, 64, 64]
-    assert gate.skipped == sum(plain_runs)
-    # a probe that pays: the gate stays open, and the next failing stretch closes it for 8 again
-    while not gate.open():
-        pass
-    for _ in range(4):
-        gate.record(3, 1.2)
-    assert gate.backoff == 8 and gate.closed_for == 0
-    for _ in range(40):
-        if gate.closed_for:
-            break
-        gate.record(1, 1.05)
-    assert gate.closed_for == 8
-    # prices that cannot be read are ignored
-    fresh = DraftGate()
-    for _ in range(20):
-        fresh.record(1, float("nan"))
-    assert fresh.seen == 0 and fresh.closures == 0
-
-
-def test_a_drafter_may_decline_the_gate():
-    """``gated = False`` (ReSpec): the same failing steps that close a gate leave this one open."""
-    from specstore.runtime.drafters.respec import ReSpecDrafter
-
-    class Ungated(_Chain):
-        gated = False
-
-    cost = CostModel([0, 1, 8], [0], [[1.0, 1.1, 1.8]], {})
-    wrapped = CostAwareDrafter(Ungated(), cost)
-    assert not wrapped.gate.enabled and CostAwareDrafter(_Chain(), cost).gate.enabled
-    for _ in range(100):
-        assert wrapped.gate.open()
-        wrapped.gate.record(1, 1.05)
-    assert wrapped.gate.closures == 0 and wrapped.gate.skipped == 0
-    assert ReSpecDrafter.gated is False
-
-
-def test_a_closed_gate_skips_the_inner_drafter_and_the_simulated_replay_closes_it_too():
-    """A wrapped drafter whose one node is never accepted, priced by the cost model (1.1 plain
-    steps) with no drafting time: after the warm-up the gate closes; while closed the inner
-    drafter is not asked (plain steps, marked gated) and its observe still sees every step. No
-    clock is read for the prices (verify_s None, as in a replay)."""
+def test_every_step_asks_the_drafter_there_is_no_gate():
+    """The wrapper asks the inner drafter every step, however little its trees have paid (the
+    gate that paused drafting went in the thirty-fourth session, module doc 5): a node that is
+    never accepted is proposed and observed 30 times of 30, and kept while its prior says so."""
+    from specstore.runtime.drafters import cost_aware
     from specstore.runtime.drafters.base import DecodeState
 
     class Counting(_Chain):
@@ -806,12 +741,9 @@ def test_a_closed_gate_skips_the_inner_drafter_and_the_simulated_replay_closes_i
     wrapped = CostAwareDrafter(inner, cost, Calibrator(explore=0.0, weight=1e6), clock=lambda: 0.0)
     state = DecodeState(tokens=[1, 2, 3], num_prompt=3)
     state.budget = 8
-    kinds = []
     for _ in range(30):
         tree = wrapped.propose(state)
-        kinds.append("gated" if tree.meta.get("gated") else len(tree))
+        assert len(tree) == 1
         wrapped.observe(state, tree, VerifyResult([], [], 5, len(tree)))
-    assert kinds[:8] == [1] * 8 and kinds[8:16] == ["gated"] * 8 and kinds[16:20] == [1] * 4
-    assert kinds[20:] == ["gated"] * 10
-    assert inner.proposed == 12 and inner.observed == 30
-    assert wrapped.gate.to_dict() == {"closures": 2, "skipped_steps": 18}
+    assert inner.proposed == inner.observed == 30
+    assert not hasattr(cost_aware, "DraftGate") and not hasattr(wrapped, "gate")

@@ -270,7 +270,7 @@ def pricing(bench: BenchResult, method: str, table, aware: bool, refresh: bool =
     ``predicted_seconds`` prices the method's trees with its own copy whole, and every plain
     forward (its steps that verified no tree, ar's, the prefills) with ar's: a plain step is the
     same forward whichever method drafts, and ar corrected its ``level`` from every one of its
-    steps, a drafting method only from the few it gated or pruned to nothing, whose last dozen
+    steps, a drafting method only from the few it pruned to nothing, whose last dozen
     set it (respec's own level on a chat-OOD run, 1.21 against ar's 1.05, priced its plain steps
     so that it predicted 1.14x against 1.32x measured; BENCHMARKS.md, eighteenth session). But a
     method's tree corrections were learnt against its own level, step by step, so only the two

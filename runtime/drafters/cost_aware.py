@@ -29,19 +29,16 @@ registry when a cost model is given):
    tree as that many nodes (masked rows that nothing attends to; cost.CostModel.padded_nodes);
    the prices above are those of the padded forward already.
 
-5. The gate (``DraftGate``). Pruning can always choose plain decoding, but by then the step's
-   drafting is spent: a drafter whose trees rarely pay (a datastore that does not predict the
-   prompts at hand) is slower than plain decoding by its drafting time. The gate keeps an
-   average, over the steps that drafted, of tokens committed against seconds spent (the
-   verification as the cost model prices the tree, plus the drafting measured), in plain
-   decoding steps; where drafting commits fewer tokens per second than plain decoding it stops
-   drafting for a while (``GATE_BACKOFF``: 8 plain steps, doubled up to 64 while it keeps
-   failing), then tries ``GATE_PROBE`` steps again and judges them alone. A drafter that pays
-   never meets it. Prices come from the cost model, not the step's clock, so the simulator's
-   replay closes the gate where a live run does. A drafter that says ``gated = False`` gets a
-   gate that never closes: ReSpec, whose fallback is prompt lookup itself, lost the prompt
-   copies a closed gate skipped (chat OOD, eighteenth session, BENCHMARKS.md), and its own
-   pruning already takes plain decoding when its tree does not pay.
+5. No gate. Until the thirty-fourth session a gate (``DraftGate``) stopped drafting for 8-64
+   steps where, over its last steps, drafting had committed fewer tokens per second than plain
+   decoding: pruning takes plain decoding when a tree does not pay, but the step's drafting is
+   spent by then. It saved at most that drafting time (0.3-1 ms of a 35-40 ms float32 step
+   here) and skipped the copies and matches that came while it was closed; a fresh one (each
+   request of an Engine, each prompt in a one-shot run) closed early in a response, before
+   anything had matched. Replayed on the tune splits, every method it applied to (pld, rest,
+   dresd) did as well or better without it, from a fresh drafter per prompt and across prompts
+   alike, and with drafting priced at twice its measured time (BENCHMARKS.md, thirty-fourth
+   session).
 
 6. The kernel. Steps 2 and 3 are a loop per node each; where the CPU kernel is loaded they run
    in one C call (tree_kernel.py, csrc/draft_tree.c: the same arithmetic in the same order, so
@@ -50,8 +47,9 @@ registry when a cost model is given):
    reads and counts into (``Calibrator.table``). About 0.1-0.2 ms a step less drafting for
    ReSpec here (BENCHMARKS.md, twenty-eighth session).
 
-The calibration and the gate live as long as the wrapper (across requests, like the bench's
-drafters); ``reset`` does not clear them.
+The calibration lives as long as the wrapper (across prompts, like the bench's drafters; an
+Engine keeps one per method across requests and processes: calibration_cache.py); ``reset``
+does not clear it.
 """
 
 from __future__ import annotations
@@ -71,57 +69,6 @@ MAX_DEPTH_BIN = 8  # depths 8 and beyond share one calibration cell
 DEFAULT_PRIOR = 0.5
 DRAFT_MEMORY = 50.0  # steps over which CostAwareDrafter averages its drafting time
 EXPLORE = 0.1  # the exploration bonus at a cell's first trial (module doc, 2; chosen in BENCHMARKS.md)
-
-
-GATE_MEMORY = 16.0  # drafting steps the gate's averages reach back over (older ones fade)
-GATE_WARMUP = 8  # drafting steps the gate watches before it may first close
-GATE_PROBE = 4  # drafting steps a reopened gate tries, judged alone, before it may close again
-GATE_BACKOFF = (8, 64)  # plain steps the gate stays closed: the first time, and at most (doubling between)
-
-
-class DraftGate:
-    """Whether to draft at all this step (module doc, 5)."""
-
-    def __init__(self, memory: float = GATE_MEMORY, warmup: int = GATE_WARMUP, probe: int = GATE_PROBE,
-                 backoff: tuple[int, int] = GATE_BACKOFF, enabled: bool = True):
-        self.memory, self.warmup, self.probe, self.backoff_range = memory, warmup, probe, backoff
-        self.enabled = enabled  # False: never closes (records nothing)
-        self.tokens = self.price = 0.0  # faded sums over drafting steps: committed tokens, plain steps spent
-        self.seen = 0  # drafting steps since the gate last (re)opened
-        self.closed_for = 0  # plain steps left before the gate reopens
-        self.backoff = backoff[0]
-        self.closures = 0  # times it closed
-        self.skipped = 0  # steps it kept from drafting
-
-    def open(self) -> bool:
-        """True: draft this step. False: a plain step (counted)."""
-        if self.closed_for > 0:
-            self.closed_for -= 1
-            self.skipped += 1
-            return False
-        return True
-
-    def record(self, tokens: int, price: float) -> None:
-        """One drafting step: ``tokens`` committed (the bonus included) for ``price`` plain steps
-        (its verification and drafting over a plain step's seconds)."""
-        if not self.enabled or not (np.isfinite(price) and price > 0):
-            return
-        if self.seen == 0:  # (re)opened: the steps from here on are judged alone
-            self.tokens = self.price = 0.0
-        fade = 1.0 - 1.0 / self.memory
-        self.tokens = self.tokens * fade + float(tokens)
-        self.price = self.price * fade + float(price)
-        self.seen += 1
-        if self.seen < (self.warmup if self.closures == 0 else self.probe):
-            return
-        if self.tokens < self.price:  # drafting commits fewer tokens per second than plain decoding
-            self.closed_for, self.seen, self.closures = self.backoff, 0, self.closures + 1
-            self.backoff = min(2 * self.backoff, self.backoff_range[1])
-        elif self.closures:
-            self.backoff = self.backoff_range[0]  # it pays again: a later closure starts short
-
-    def to_dict(self) -> dict:
-        return {"closures": self.closures, "skipped_steps": self.skipped}
 
 
 def bucketize(values, edges) -> np.ndarray:
@@ -349,11 +296,9 @@ class CostAwareDrafter:
     tests; ``count_drafting=False`` leaves it out; ``fix_drafting``: a fixed figure instead)."""
 
     def __init__(self, inner, cost: CostModel, calibrator: Calibrator | None = None, *,
-                 count_drafting: bool = True, clock=time.perf_counter, gate: DraftGate | None = None):
+                 count_drafting: bool = True, clock=time.perf_counter):
         self.inner, self.cost = inner, cost
         self.calibrator = calibrator or Calibrator()
-        self.gate = gate if gate is not None else DraftGate(enabled=getattr(inner, "gated", True))
-        self._step_s = 0.0  # the last propose's drafting seconds (the gate prices the step with them)
         self.name, self.lossless = inner.name, getattr(inner, "lossless", True)
         self.num_kept = self.num_proposed = 0
         self.context = 0  # the context the last tree was pruned at
@@ -375,8 +320,7 @@ class CostAwareDrafter:
         self.inner.reset(prompt_ids)
 
     def fix_drafting(self, seconds: float) -> None:
-        """Price every step's drafting at ``seconds`` from now on, in the rule and the gate,
-        whatever it takes (the simulator's ``--drafting-ms``: a replay's trees then do not
+        """Price every step's drafting at ``seconds`` from now on, whatever it takes (the simulator's ``--drafting-ms``: a replay's trees then do not
         depend on how long its drafting happened to take)."""
         self.fixed_drafting_s = self.draft_s = float(seconds)
 
@@ -388,11 +332,6 @@ class CostAwareDrafter:
         return self.draft_s / plain if plain > 0 else 0.0
 
     def propose(self, state: DecodeState) -> DraftTree:
-        if not self.gate.open():  # drafting has not been paying: a plain step, nothing drafted
-            self.context = len(state.tokens)
-            tree = DraftTree.empty()
-            tree.meta["gated"] = True
-            return tree
         start = self.clock()
         self.context = len(state.tokens)
         sized = getattr(self.inner, "propose_sized", None)
@@ -415,7 +354,6 @@ class CostAwareDrafter:
         spent = self.clock() - start + self._observe_s
         if self.fixed_drafting_s is not None:
             spent = self.fixed_drafting_s
-        self._step_s = spent
         if np.isfinite(spent) and spent >= 0:
             self.draft_s = spent if self.draft_s is None else self.draft_s + (spent - self.draft_s) / DRAFT_MEMORY
         return tree
@@ -426,13 +364,4 @@ class CostAwareDrafter:
         if state.verify_s is not None:  # the cost model follows the machine
             self.cost.observe(len(tree), self.context, state.verify_s)
         self.inner.observe(state, tree, result)
-        if tree.meta.get("gated"):
-            self._observe_s = 0.0
-            return
         self._observe_s = self.clock() - start
-        if not self.gate.enabled:  # a gate that never closes records nothing: no prices to look up
-            return
-        plain = float(self.cost.seconds_for(0, self.context))
-        if plain > 0:
-            verify = float(self.cost.seconds_for(int(tree.meta.get("verify_as", len(tree))), self.context))
-            self.gate.record(len(result.accepted_tokens) + 1, (verify + max(self._step_s, 0.0)) / plain)

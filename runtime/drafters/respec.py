@@ -207,9 +207,6 @@ def entropy(logits: torch.Tensor) -> float:
 
 class ReSpecDrafter:
     name = "respec"
-    # no draft gate under cost-aware sizing (cost_aware.DraftGate): the fallback is prompt lookup
-    # itself, whose copies a closed gate skipped; the pruner takes plain decoding where a tree does not pay
-    gated = False
 
     def __init__(self, datastore=None, config: ReSpecConfig | None = None, fallback: Drafter | None = None,
                  overlay=None):
