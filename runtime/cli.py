@@ -57,6 +57,14 @@ def _add_cost_options(p: argparse.ArgumentParser, both: str | None = None, onlin
                    "trees depend on the text alone (reproducible)")
 
 
+def _add_calibration_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", default="on", choices=["on", "off"],
+                   help="on (default): a cost-aware method starts from the acceptance calibration that earlier runs of "
+                   "this model, method, options and datastore saved, and saves what this run learns (in "
+                   "$SPECSTORE_CALIBRATION_DIR, default ~/.cache/specstore/calibration; docs/decoding.md); off: start from the "
+                   "priors and save nothing, so that trees do not depend on earlier runs")
+
+
 def _add_corpus(p: argparse.ArgumentParser) -> None:
     """The corpus and model options of the commands that read corpora (build, train-head)."""
     p.add_argument("--corpus", required=True, nargs="+", metavar="PATH", help="JSONL/text files or a source-code directory; .gz is read transparently")
@@ -192,6 +200,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_cost_options(p)
+    _add_calibration_option(p)
     registry.add_cli_options(p)  # each method's own options (ReSpec's: drafters/respec_cli.py)
     p.set_defaults(handler=_cmd_generate)
 
@@ -288,6 +297,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     _add_cost_options(p)
+    _add_calibration_option(p)
     registry.add_cli_options(p)  # each method's own options, as for generate
     p.set_defaults(handler=_cmd_serve)
     return parser

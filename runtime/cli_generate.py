@@ -38,7 +38,7 @@ def run_generate(args: argparse.Namespace) -> int:
     cost = registry.cost_model_for(loaded, [args.method], args.cost_aware, refresh=args.refresh_cost, quiet=args.json,
                                    online=args.cost_online == "on")
     engine = Engine(loaded, store, refs, method=args.method, drafter_options={args.method: options}, dense=method.dense,
-                    refresh_seconds=None, cost=cost, cost_aware=args.cost_aware)
+                    refresh_seconds=None, cost=cost, cost_aware=args.cost_aware, calibration=args.calibration == "on")
     reference, scores = engine.route(args.prompt) if refs else (None, None)
     if scores is not None and not args.json:
         chosen = engine.datastores[reference]

@@ -64,7 +64,8 @@ def run_serve(args: argparse.Namespace) -> int:
     cost = registry.cost_model_for(loaded, registry.available(), args.cost_aware, refresh=args.refresh_cost, quiet=False,
                                    online=args.cost_online == "on")
     engine = Engine(loaded, store, refs, method=args.method, drafter_options=options, prefetch=True,
-                    refresh_seconds=args.refresh_seconds, log=args.log, overlay=overlay, cost=cost, cost_aware=args.cost_aware)
+                    refresh_seconds=args.refresh_seconds, log=args.log, overlay=overlay, cost=cost, cost_aware=args.cost_aware,
+                    calibration=args.calibration == "on")
     defaults = Defaults(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     app = create_app(engine, max_queue=args.max_queue, defaults=defaults, idle_refresh_seconds=args.refresh_seconds)
     served = ", ".join(f"{k} ({v})" for k, v in engine.datastores.items()) or "no datastore"

@@ -21,6 +21,11 @@ The overlay (``overlay=True`` or a ServedOverlay; off unless asked, on in ``serv
 prompts), under the engine's lock, so a request drafts from an overlay that does not change while
 it runs; handed in ``_drafter`` to the methods the registry marks as reading it (pld, rest,
 respec). A cancelled request is not added.
+
+Calibrations (``calibration=True`` or a CalibrationCache; off unless asked, on in ``generate`` and
+``serve``): a cost-aware method's calibration is one per engine and method; its first request
+loads what earlier processes saved for this model, method, options and datastore names
+(calibration_cache.py), and each finished request saves it again.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from dataclasses import dataclass, field
 from numbers import Integral
 
 from specstore.runtime import api
+from specstore.runtime.calibration_cache import CalibrationCache, calibration_key
 from specstore.runtime.datastore import Datastore
 from specstore.runtime.decode import DecodeStats, decode
+from specstore.runtime.device import dtype_name
 from specstore.runtime.drafters import registry
 from specstore.runtime.drafters.base import Drafter
 from specstore.runtime.errors import SpecstoreError
@@ -106,16 +113,27 @@ class Engine:
     (drafters/cost_aware.py), one calibration per method kept across requests; None: fixed caps.
     ``prefetch``: map each opened version's suffix-index pages in a background thread (a
     long-lived server, as ``serve``: its first searches then pay no page faults; a one-shot
-    request would only compete with it).
+    request would only compete with it). ``calibration``: keep each method's calibration
+    between processes (calibration_cache.py): True for a CalibrationCache in the default folder,
+    or one to use. A method's first request then starts from what earlier runs of this model,
+    method, options and datastores saved, and each request saves what it taught. None or False
+    (default): every engine starts from the priors and writes nothing.
     """
 
     def __init__(self, loaded, store: Store | str | None = None, datastores: str | Sequence[str] | None = (), *,
                  method: str = "rest", drafter_options: Mapping[str, Mapping] | None = None, dense: bool | None = None,
                  verify: bool = False, refresh_seconds: float | None = 5.0, log: ServedLog | str | os.PathLike | None = None,
                  overlay: bool | ServedOverlay | None = False, clock: Callable[[], float] = time.monotonic, cost=None,
-                 cost_aware: str = "on", prefetch: bool = False):
+                 cost_aware: str = "on", prefetch: bool = False, calibration=None):
         self.model, self.tokenizer, self.info = loaded.model, loaded.tokenizer, getattr(loaded, "info", None)
         self.cost, self.cost_aware, self._calibrators = cost, cost_aware, {}
+        if calibration is True:
+            calibration = CalibrationCache()
+        if calibration not in (None, False) and not isinstance(calibration, CalibrationCache):
+            raise SpecstoreError(f"calibration must be True, False, None or a CalibrationCache, got {calibration!r}")
+        self.calibration = calibration or None
+        self._calibration_keys: dict[str, dict] = {}
+        self.calibration_errors = 0  # saves that failed (logged; serving goes on)
         self.device = next(self.model.parameters()).device
         refs = split_references(datastores)
         if refs and store is None:
@@ -249,8 +267,37 @@ class Engine:
         drafter = registry.make_drafter(method, datastore, cost=cost, **options)
         calibrator = getattr(drafter, "calibrator", None)
         if calibrator is not None:  # cost-aware: what earlier requests taught carries over
+            if method not in self._calibrators and self.calibration is not None:
+                self.calibration.load(self._calibration_key(method), calibrator)  # and what earlier processes taught
             drafter.calibrator = self._calibrators.setdefault(method, calibrator)
         return drafter
+
+    def _calibration_key(self, method: str) -> dict:
+        """The key of ``method``'s calibration (calibration_cache.calibration_key), once per method:
+        options and datastore names are fixed for the engine's life (a moved tag keeps its name)."""
+        key = self._calibration_keys.get(method)
+        if key is None:
+            options = {k: v for k, v in self.drafter_options.get(method, {}).items() if k != "overlay"}
+            names = [s.reference.name for s in self._slots] if registry.datastore_methods([method]) else []
+            revision = getattr(self.info, "revision", None)
+            if revision is None:  # a model without load_model's info (Engine.for_model): its weights' hash
+                from specstore.runtime.models import model_info
+
+                revision = model_info(self.model, self.tokenizer, "").revision
+            key = calibration_key(revision, dtype_name(next(self.model.parameters()).dtype), method, options, names)
+            self._calibration_keys[method] = key
+        return key
+
+    def _save_calibration(self, method: str, drafter) -> None:
+        """Save ``method``'s calibration when this engine keeps them and the request used it."""
+        calibrator = self._calibrators.get(method)
+        if self.calibration is None or calibrator is None or getattr(drafter, "calibrator", None) is not calibrator:
+            return
+        try:
+            self.calibration.save(self._calibration_key(method), calibrator)
+        except OSError as exc:  # a full disk or a read-only cache must not fail the answer
+            self.calibration_errors += 1
+            logger.warning("could not save the calibration of %s: %s", method, exc)
 
     def generate(self, prompt: str | Sequence, *, method: str | None = None, datastore: str | None = None,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -289,6 +336,7 @@ class Engine:
                 bool(getattr(drafter, "lossless", True)), routing, drafter, stats_of() if callable(stats_of) else None,
             )
             self._served(prompt, template, result, dict(temperature=temperature, top_p=top_p, seed=seed))
+            self._save_calibration(method, drafter)
             return result
 
     def _decode(self, ids: list[int], drafter: Drafter, max_new_tokens: int, sampling, stream) -> api.GenerateResult:

@@ -14,6 +14,13 @@ from tests.datastore_helpers import own_output_datastore, tiny_datastore
 from tests.helpers import make_tiny_model
 
 
+@pytest.fixture(autouse=True)
+def _own_calibrations(tmp_path, monkeypatch):
+    """Every test keeps the calibrations that ``generate`` and ``serve`` save in a folder of its
+    own: none comes from an earlier test or run, and nothing is written to the user's cache."""
+    monkeypatch.setenv("SPECSTORE_CALIBRATION_DIR", str(tmp_path / "calibrations"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random llama (``make_tiny_model`` defaults, seed 0) saved once per session; the
