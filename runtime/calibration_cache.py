@@ -29,7 +29,6 @@ processes saving at once keep the last one's counts).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from specstore.runtime import tree_kernel
+from specstore.runtime.cost import cache_path
 from specstore.runtime.models import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,7 @@ class CalibrationCache:
         self.carry = float(carry)
 
     def path(self, key: dict) -> Path:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        return self.root / f"{digest}.json"
+        return cache_path(key, self.root)  # named as the cost tables are: a digest of the key
 
     def load(self, key: dict, calibrator) -> bool:
         """Start ``calibrator`` from the counts saved for ``key``, carried (module doc). False,
