@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from specstore.runtime.device import cpu_model, dtype_name
+from specstore.runtime.kernel_forward import enabled as kernel_forward_enabled
 from specstore.runtime.linear import backend as linear_backend
 from specstore.runtime.models import cache_dir
 from specstore.runtime.sampling import Sampling, pick
@@ -76,8 +77,9 @@ VERSION = 4
 # products, csrc/small_gemm.c; bf16 RMS norms and MLP middles in the kernel, fused.py; 13: greedy
 # acceptance's bf16 argmax in the kernel, sampling.py, and the timing rule's argmax through it;
 # 14: bf16 rotary embedding in the kernel, fused.py; 15: float32 attention in the kernel, csrc/small_gemm.c;
-# 16: its keys scored a row at a time and its values summed in blocks, 14-32% faster a layer)
-VERIFIER_REVISION = 16
+# 16: its keys scored a row at a time and its values summed in blocks, 14-32% faster a layer;
+# 17: float32 steps of Llama-style models through the kernel's layer stack in one call, kernel_forward.py)
+VERIFIER_REVISION = 17
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians
@@ -394,14 +396,18 @@ def _line(nodes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]
 def cost_key(info, device: torch.device, dtype: torch.dtype) -> dict:
     """What a measurement depends on: model hash, device (name; on the CPU its model name and
     core count), dtype, torch, CPU threads, the CPU's linear products (linear.backend: the
-    kernel switched off measures apart), and the verifier's revision."""
+    kernel switched off measures apart), the kernel forward switched off (kernel_forward.py;
+    a field only then, so tables measured with it keep their names), and the verifier's revision."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:  # platform.processor() is empty on most Linux systems: the CPU's model name tells CPUs apart
         name = f"{platform.machine()} {cpu_model() or platform.processor()} x{os.cpu_count()}".strip()
-    return {"model": info.revision, "device": f"{device.type}: {name}", "dtype": dtype_name(dtype),
+    key = {"model": info.revision, "device": f"{device.type}: {name}", "dtype": dtype_name(dtype),
             "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "linears": linear_backend(dtype) if device.type == "cpu" else None, "verifier": VERIFIER_REVISION}
+    if device.type == "cpu" and dtype == torch.float32 and not kernel_forward_enabled():
+        key["forward"] = "modules"
+    return key
 
 
 def cache_path(key: dict, root: Path | None = None) -> Path:

@@ -181,6 +181,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_attention_f32.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, p, i64,
                                                 ctypes.c_float, p, i32]
         lib.specstore_attention_f32.restype = i32
+    lib.decoder_f32 = bool(lib.specstore_gemm_features() & 256)
+    if lib.decoder_f32:  # kernel_forward.py
+        f = ctypes.c_float
+        lib.specstore_decoder_f32.argtypes = [i64, i64, i64, i64, i64, i64, i64, f, f, p, p, p, p, p, p, p, p, p, p, p,
+                                              p, p, i64, i64, p, p, p, i64, p, p, i32]
+        lib.specstore_decoder_f32.restype = i32
     lib.elementwise = bool(lib.specstore_gemm_features() & 4)
     if lib.elementwise:
         lib.specstore_argmax_bf16.argtypes = [p, i64]

@@ -111,6 +111,22 @@ class GrowingLayer(DynamicLayer):
         d["_length"], d["_own"], d["_keys"], d["_values"] = new, True, None, None
         return self.keys, self.values
 
+    def reserve(self, rows: int) -> bool:
+        """Make room for ``rows`` more rows after the cached ones, written by someone else (the
+        kernel forward, kernel_forward.py) before ``advance``; True where the layer owns its
+        buffers and they now hold them (False: nothing done, ``update`` is the way in)."""
+        d = self.__dict__
+        if not d.get("_own"):
+            return False
+        old = d["_length"]
+        if old + rows > self._key_buffer.shape[-2]:
+            self._grow(self._key_buffer, self._value_buffer, old, old + rows)  # the filled rows go along
+        return True
+
+    def advance(self, rows: int) -> None:
+        """Count ``rows`` rows written after the cached ones into the reserved room as cached."""
+        self.__dict__["_length"] += rows
+
     def get_seq_length(self) -> int:
         d = self.__dict__
         return d["_length"] if d.get("_own") else super().get_seq_length()

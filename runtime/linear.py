@@ -204,13 +204,54 @@ def is_packed(module: torch.nn.Module) -> bool:
     return isinstance(module, PackedLinear) and held is not None and (held[0] is not None or held[4] is not None)
 
 
+def kernel_panel(module: torch.nn.Module) -> torch.Tensor | None:
+    """``module``'s weight as specstore's kernel's panels (gemm.pack), where it runs on them."""
+    held = getattr(module, "__dict__", {}).get(_ATTR)
+    if not isinstance(module, PackedLinear) or held is None or held[4] is None:
+        return None
+    return held[4] if held[1] == weight_state(module) else None
+
+
+def weight_state(module: torch.nn.Linear) -> tuple:
+    """What a packed copy of ``module``'s weight is valid for (``_state``)."""
+    return _state(module._parameters["weight"], module._parameters["bias"])
+
+
+def stacked_panel(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One panel for the products of ``modules`` (kernel-packed, one input size) side by side: their
+    outputs in order, as if their weights were stacked, and the stacked bias (zeros for a module
+    without one; None where none has one). Where each module's outputs fill whole panels
+    (``gemm.NB``), each module's own packed copy becomes a view of its part of the stack, so the
+    weights are not held twice; otherwise the stack is a copy of its own."""
+    weights = [m.weight.detach() for m in modules]
+    panel = gemm.pack(torch.cat(weights))
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights, strict=True)]).contiguous()
+    if panel.dim() == 3 and all(w.shape[0] % gemm.NB == 0 for w in weights):
+        start = 0
+        for m, w in zip(modules, weights, strict=True):
+            held = m.__dict__.get(_ATTR)
+            blocks = w.shape[0] // gemm.NB
+            if held is not None and held[4] is not None and held[4].shape == (blocks, *panel.shape[1:]):
+                m.__dict__[_ATTR] = (*held[:4], panel[start:start + blocks])
+            start += blocks
+    return panel, bias
+
+
+def _stale(module: PackedLinear) -> bool:
+    held = module.__dict__.get(_ATTR)
+    return held is None or held[1] != weight_state(module)
+
+
 def use_packed_linears(model: torch.nn.Module) -> int:
-    """Switch every CPU ``nn.Linear`` of ``model`` to ``PackedLinear`` and pack its weight
-    (idempotent); returns how many run packed."""
+    """Switch every CPU ``nn.Linear`` of ``model`` to ``PackedLinear`` and pack its weight, and
+    pack again a weight changed since (idempotent); returns how many run packed."""
     if not _available():
         return 0
     todo = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and (
-        type(m) is torch.nn.Linear or isinstance(m, PackedLinear) and m.__dict__.get(_ATTR) is None)]
+        type(m) is torch.nn.Linear or isinstance(m, PackedLinear) and _stale(m))]
     if todo:  # the verifier calls this per request: memory is read only when there is work
         free = _free_bytes()
         if free is not None and sum(m.weight.numel() * m.weight.element_size() for m in todo) > free // 4:

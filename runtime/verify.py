@@ -32,6 +32,7 @@ import torch
 from specstore.runtime.attention import use_packed_attention
 from specstore.runtime.forward import forward_with_hidden
 from specstore.runtime.fused import use_fused_elementwise
+from specstore.runtime.kernel_forward import KernelForward
 from specstore.runtime.kv_cache import compact as compact_cache
 from specstore.runtime.kv_cache import growing_cache
 from specstore.runtime.linear import use_packed_linears
@@ -151,6 +152,7 @@ class TreeVerifier:
         use_fused_elementwise(model)  # bf16 CPU norms and MLP middles in one kernel call each (fused.py)
         self.sampling = sampling or Sampling()
         self.cache = growing_cache(model.config)  # appends in place (kv_cache.py)
+        self.kernel_forward = KernelForward.of(model)  # float32 CPU steps in one kernel call (kernel_forward.py); None: modules
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype  # the mask's dtype, asked once (each ask walks the modules)
         self.vocab_size = _vocab_size(model)  # the decode loop drops drafted ids outside it
@@ -185,12 +187,20 @@ class TreeVerifier:
         found a larger forward cheaper): logits [1 + n, V] and hidden [1 + n, H]. The cache
         grows by 1 + n entries (``pad`` more, which are cropped again); ``compact`` must follow."""
         pad = max(int(pad), 0) if len(tree) else 0
-        ids = torch.tensor([[pending, *tree.tokens.tolist(), *[pending] * pad]], dtype=torch.long, device=self.device)
+        tokens = [pending, *tree.tokens.tolist(), *[pending] * pad]
+        kernel = self.kernel_forward is not None and self.kernel_forward.takes(self.cache, len(tokens))
         if len(tree) == 0:  # plain decoding: the model's own causal mask and positions
-            logits, hidden = self._forward(ids, self.cache)
+            if kernel:
+                return self.kernel_forward(tokens, self.cache)
+            logits, hidden = self._forward(torch.tensor([tokens], dtype=torch.long, device=self.device), self.cache)
             return logits[0], hidden[0]
         positions, mask = tree_attention_inputs(tree, self.num_cached, self.dtype, self.device, pad)
-        logits, hidden = self._forward(ids, self.cache, attention_mask=mask, position_ids=positions)
+        if kernel:
+            logits, hidden = self.kernel_forward(tokens, self.cache, positions, mask)
+            logits, hidden = logits.unsqueeze(0), hidden.unsqueeze(0)
+        else:
+            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            logits, hidden = self._forward(ids, self.cache, attention_mask=mask, position_ids=positions)
         if pad:
             self.cache.crop(-pad)  # transformers 5.x: negative = tokens to remove
             return logits[0, :-pad], hidden[0, :-pad]

@@ -752,6 +752,138 @@ int specstore_attention_f32(const float *q, int64_t heads, int64_t nq, int64_t d
     return failed ? -2 : 0;
 }
 
+/* A float32 decoder's layer stack in one call (runtime/kernel_forward.py): a step of plain
+ * decoding or a tree verification of a Llama-style model (pre-norm RMS norms, rotary positions,
+ * grouped-query attention, a SiLU-gated MLP) without a Python module call or a torch op per layer.
+ * Products are specstore_linear_f32's, attention is specstore_attention_f32's; the pieces between
+ * them are below. Each piece computes a row from that row alone, so a row's result is bitwise the
+ * same whatever the number of rows (plain decoding and a verification agree bit for bit). The
+ * pieces round as float32 arithmetic does but not always as torch's ops do (sums in another order,
+ * products that the compiler may fuse): their results agree with transformers' to rounding. */
+
+/* x [rows, dim] += delta (where delta is not NULL), then out = w (x / sqrt(mean(x^2) + eps)): the
+ * squares summed in 8 lanes (one fused multiply-add each, in order), the lanes in a fixed order,
+ * then any last dim % 8 in order; x times the inverse root, then the weight times that. */
+static void add_rmsnorm_f32(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+    const int64_t vec = dim - dim % F32_LANES;
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * dim;
+        float *o = out + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < vec; j += F32_LANES) {
+            __m256 val = _mm256_loadu_ps(xr + j);
+            if (delta) {
+                val = _mm256_add_ps(val, _mm256_loadu_ps(delta + r * dim + j));
+                _mm256_storeu_ps(xr + j, val);
+            }
+            acc = _mm256_fmadd_ps(val, val, acc);
+        }
+        float sum = lanes_sum8(acc);
+        for (int64_t j = vec; j < dim; j++) {
+            if (delta) xr[j] += delta[r * dim + j];
+            sum += xr[j] * xr[j];
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int64_t j = 0; j < vec; j += F32_LANES)
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), vinv)));
+        for (int64_t j = vec; j < dim; j++) o[j] = w[j] * (xr[j] * inv);
+    }
+}
+
+/* out [rows, inter] = silu(g) u, the gate g and the up projection u side by side in each row of
+ * gu [rows, 2 inter]; silu(x) = x / (1 + e^-x) (exp8_ps's e^x, also for a last inter % 8). */
+static void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t j = 0; j < inter; j += F32_LANES) {
+            const __m256i live = live8(inter - j);
+            const __m256 val = _mm256_maskload_ps(g + j, live);
+            const __m256 act = _mm256_div_ps(val, _mm256_add_ps(one, exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), val))));
+            _mm256_maskstore_ps(o + j, live, _mm256_mul_ps(act, _mm256_maskload_ps(u + j, live)));
+        }
+    }
+}
+
+/* o = x cos + rotate_half(x) sin for one head's row of dim values (rotate_half(x) = (-x2, x1) for
+ * its halves x1, x2), in 8 lanes and masked lanes for a last half % 8. */
+static inline void rope_row_f32(const float *x, const float *c, const float *s, float *o, int64_t dim) {
+    const int64_t half = dim / 2;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t j = 0; j < half; j += F32_LANES) {
+        const __m256i live = live8(half - j);
+        const __m256 x1 = _mm256_maskload_ps(x + j, live), x2 = _mm256_maskload_ps(x + half + j, live);
+        _mm256_maskstore_ps(o + j, live, _mm256_add_ps(_mm256_mul_ps(x1, _mm256_maskload_ps(c + j, live)),
+                                                      _mm256_mul_ps(_mm256_xor_ps(x2, sign), _mm256_maskload_ps(s + j, live))));
+        _mm256_maskstore_ps(o + half + j, live, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_maskload_ps(c + half + j, live)),
+                                                             _mm256_mul_ps(x1, _mm256_maskload_ps(s + half + j, live))));
+    }
+}
+
+/* Each row of qkv [rows, (heads + 2 kv_heads) dim] (query heads, then key heads, then value
+ * heads): the queries rotated into q [heads, rows, dim]; the keys rotated and the values copied
+ * into the cache, row ``at + r`` of each key/value head (k, v: head h's rows at + h head_stride).
+ * cos, sin: [rows, dim]. */
+static void qkv_rope_f32(const float *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, const float *cos,
+                         const float *sin, float *q, float *k, float *v, int64_t head_stride, int64_t at) {
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = qkv + r * width, *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) rope_row_f32(row + h * dim, c, s, q + (h * rows + r) * dim, dim);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            rope_row_f32(row + (heads + g) * dim, c, s, k + g * head_stride + (at + r) * dim, dim);
+            memcpy(v + g * head_stride + (at + r) * dim, row + (heads + kv_heads + g) * dim, (size_t)dim * sizeof(float));
+        }
+    }
+}
+
+/* The layer stack over ``rows`` new tokens after ``cached`` ones. x [rows, hidden]: the tokens'
+ * embeddings (overwritten: the residual stream). Per layer l, weights as gemm.pack's panels:
+ * qkv[l] (query, key and value projections stacked, (heads + 2 kv_heads) dim outputs), o[l],
+ * gate_up[l] (gate and up stacked, 2 inter outputs), down[l]; each bias array NULL or one entry a
+ * layer (an entry NULL: no bias); RMS norm weights norm_in[l], norm_post[l]. k[l], v[l]: the
+ * layer's cache buffers [kv_heads, capacity, dim] (heads head_stride apart), the new rows written
+ * at cached .. cached + rows - 1. cos, sin [rows, dim]: the rows' rotary tables. mask [rows,
+ * cached + rows] additive (rows mask_stride apart), NULL for one row that sees every key. out
+ * [rows, hidden]: the last layer's output after the final norm. Returns 0, -1 where the shapes are
+ * not taken (a head dim not a multiple of 8 up to 256, odd, or heads not grouped), -2 without
+ * memory. */
+int specstore_decoder_f32(int64_t layers, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t inter, float eps, float scale, float *x, const float *const *norm_in,
+                          const float *const *norm_post, const float *const *qkv, const float *const *qkv_bias,
+                          const float *const *o, const float *const *o_bias, const float *const *gate_up,
+                          const float *const *gate_up_bias, const float *const *down, const float *const *down_bias,
+                          float *const *k, float *const *v, int64_t head_stride, int64_t cached, const float *cos,
+                          const float *sin, const float *mask, int64_t mask_stride, const float *norm_final, float *out,
+                          int threads) {
+    if (rows <= 0 || hidden <= 0 || inter <= 0 || dim <= 0 || dim % F32_LANES || dim > F32_MAX_DIM || kv_heads <= 0 ||
+        heads % kv_heads || (!mask && rows != 1) || head_stride < (cached + rows) * dim)
+        return -1;
+    const int64_t qn = heads * dim, width = (heads + 2 * kv_heads) * dim;
+    float *scratch = malloc((size_t)(rows * (hidden + width + 2 * qn + hidden + 3 * inter)) * sizeof(float));
+    if (!scratch) return -2;
+    float *h = scratch, *proj = h + rows * hidden, *q = proj + rows * width, *att = q + rows * qn;
+    float *delta = att + rows * qn, *gu = delta + rows * hidden, *mid = gu + rows * 2 * inter;
+    int code = 0;
+    for (int64_t l = 0; l < layers && !code; l++) {
+        add_rmsnorm_f32(x, l ? delta : 0, norm_in[l], h, rows, hidden, eps);
+        specstore_linear_f32(h, rows, qkv[l], qkv_bias ? qkv_bias[l] : 0, proj, width, hidden, threads);
+        qkv_rope_f32(proj, rows, heads, kv_heads, dim, cos, sin, q, k[l], v[l], head_stride, cached);
+        code = specstore_attention_f32(q, heads, rows, dim, k[l], head_stride, v[l], head_stride, kv_heads, cached + rows,
+                                       mask, mask_stride, scale, att, threads);
+        specstore_linear_f32(att, rows, o[l], o_bias ? o_bias[l] : 0, delta, hidden, qn, threads);
+        add_rmsnorm_f32(x, delta, norm_post[l], h, rows, hidden, eps);
+        specstore_linear_f32(h, rows, gate_up[l], gate_up_bias ? gate_up_bias[l] : 0, gu, 2 * inter, hidden, threads);
+        silu_mul_f32(gu, mid, rows, inter);
+        specstore_linear_f32(mid, rows, down[l], down_bias ? down_bias[l] : 0, delta, hidden, inter, threads);
+    }
+    if (!code) add_rmsnorm_f32(x, layers ? delta : 0, norm_final, out, rows, hidden, eps);
+    free(scratch);
+    return code;
+}
+
 /* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
  * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
  *
@@ -771,7 +903,7 @@ int specstore_attention_f32(const float *q, int64_t heads, int64_t nq, int64_t d
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 255; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention */
+int specstore_gemm_features(void) { return 511; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -1493,5 +1625,5 @@ int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *p
     return 0;
 }
 #else
-int specstore_gemm_features(void) { return 192; } /* 64: float32 draft head, 128: float32 attention (the rest needs AVX-512 BF16) */
+int specstore_gemm_features(void) { return 448; } /* 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack (the rest needs AVX-512 BF16) */
 #endif
