@@ -76,6 +76,8 @@ def reason(model) -> str | None:
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or (
             getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
         return "it has sliding-window layers"
+    if float(getattr(cfg, "partial_rotary_factor", None) or 1.0) != 1.0:
+        return "its rotary embedding covers part of each head"
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "its base model is not laid out as Llama's"

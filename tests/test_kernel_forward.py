@@ -54,6 +54,9 @@ def test_says_why_it_does_not_take_a_model(monkeypatch):
     llama, _ = tiny_lm("llama")
     half = copy.deepcopy(llama).to(torch.bfloat16)
     assert kernel_forward.reason(half) == "not a float32 model on the CPU"
+    partial = copy.deepcopy(llama)
+    partial.config.partial_rotary_factor = 0.5
+    assert kernel_forward.reason(partial) == "its rotary embedding covers part of each head"
     bare = copy.deepcopy(llama)  # no linear packed yet
     assert "use_packed_linears" in kernel_forward.reason(bare)
     with pytest.raises(ValueError, match="does not take this model"):
