@@ -9,9 +9,10 @@ by prompt in one process: how much faster each method runs, and each method's sp
 Every prompt runs every (method, on/off) pair in turn, the order rotating prompt by prompt;
 ``SPECSTORE_KERNEL_FORWARD`` is switched between requests (each request's verifier reads it).
 Each side has its own drafters and its own cost table (measured first where missing: the two
-forwards price trees differently). Prints per method the median tokens/s on and off, the
-geometric mean over prompts of on's speed over off's with a 95% bootstrap interval, each
-method's speedup over ``ar`` on each side, and whether every output matched ``ar``'s.
+forwards price trees differently). Prints per method the median tokens/s on and off, on's
+tokens/s over off's and each side's speedup over ``ar``, each pooled over the prompts with the
+bench's paired bootstrap interval (bench/metrics.py: ``speedup_of``, ``bootstrap_speedup``), and
+whether every output matched ``ar``'s. ``--report RUN.json`` prints the table of a saved run.
 """
 
 from __future__ import annotations
@@ -20,21 +21,41 @@ import argparse
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 
-def _geomean_interval(values, rng: np.random.Generator, resamples: int = 4000) -> tuple[float, float, float]:
-    logs = np.log(np.asarray(values, dtype=float))
-    means = [logs[rng.integers(0, len(logs), len(logs))].mean() for _ in range(resamples)]
-    return float(np.exp(logs.mean())), float(np.exp(np.percentile(means, 2.5))), float(np.exp(np.percentile(means, 97.5)))
+def _ratio(rows: list[dict], a: str, b: str, unit: str = "") -> str:
+    """``a``'s tokens/s over ``b``'s, pooled over the prompts, with the bench's paired interval."""
+    from specstore.runtime.bench.metrics import bootstrap_speedup, speedup_of
+
+    pairs = [tuple(SimpleNamespace(wall_s=r[k]["wall_s"], num_tokens=r[k]["tokens"]) for k in (b, a)) for r in rows]
+    value = speedup_of(*np.array([(x.wall_s, x.num_tokens, y.wall_s, y.num_tokens) for x, y in pairs], dtype=float).T)
+    interval = bootstrap_speedup(pairs)
+    return f"{value:.3f}{unit}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
+def report(rows: list[dict], methods: list[str]) -> None:
+    """The table of a run (``rows``: each prompt's records by ``method:1`` / ``method:0``)."""
+    print("\n| method | tokens/s on (median) | off | on / off [95%] | speedup over ar on | off | identical to ar on / off |")
+    print("|---|---|---|---|---|---|---|")
+    for m in methods:
+        on, off = ([r[f"{m}:{side}"]["tokens"] / r[f"{m}:{side}"]["wall_s"] for r in rows] for side in "10")
+        same = {side: sum(r[f"{m}:{side}"]["token_ids"] == r[f"ar:{side}"]["token_ids"] for r in rows) for side in "10"}
+        print(f"| {m} | {np.median(on):.1f} | {np.median(off):.1f} | {_ratio(rows, f'{m}:1', f'{m}:0')} | "
+              f"{_ratio(rows, f'{m}:1', 'ar:1', 'x')} | {_ratio(rows, f'{m}:0', 'ar:0', 'x')} | "
+              f"{same['1']}/{len(rows)} / {same['0']}/{len(rows)} |")
+    same_ar = sum(r["ar:1"]["token_ids"] == r["ar:0"]["token_ids"] for r in rows)
+    print(f"\nar's tokens the same on and off on {same_ar} of {len(rows)} prompts")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--store", required=True)
-    p.add_argument("--datastore", required=True)
-    p.add_argument("--questions", required=True)
+    p.add_argument("--report", default=None, help="print the table of a run saved with --json, and stop")
+    p.add_argument("--store")
+    p.add_argument("--datastore")
+    p.add_argument("--questions")
     p.add_argument("--skip", type=int, default=0)
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--methods", default="ar,pld,respec", help="comma-separated; ar is added when missing")
@@ -42,6 +63,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json", default=None, help="write every prompt's records here")
     args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        rows = saved["prompts"]
+        report(rows, [k.split(":")[0] for k in rows[0] if k.endswith(":1")])
+        return
+    if not (args.store and args.datastore and args.questions):
+        p.error("--store, --datastore and --questions are required (or --report)")
 
     from specstore.runtime.api import generate
     from specstore.runtime.bench.questions import load_questions
@@ -84,23 +113,7 @@ def main() -> None:
         print(f"  {i + 1}/{len(prompts)}", flush=True)
     os.environ.pop("SPECSTORE_KERNEL_FORWARD", None)
 
-    def speed(r: dict) -> float:
-        return r["tokens"] / r["wall_s"]
-
-    rng = np.random.default_rng(0)
-    print("\n| method | tokens/s on (median) | off | on / off, geometric mean over prompts [95%] | speedup over ar on | off | identical to ar on / off |")
-    print("|---|---|---|---|---|---|---|")
-    for m in methods:
-        on = [speed(r[f"{m}:1"]) for r in rows]
-        off = [speed(r[f"{m}:0"]) for r in rows]
-        g, lo, hi = _geomean_interval([a / b for a, b in zip(on, off, strict=True)], rng)
-        over = {side: _geomean_interval([speed(r[f"{m}:{side}"]) / speed(r[f"ar:{side}"]) for r in rows], rng) for side in "10"}
-        same = {side: sum(r[f"{m}:{side}"]["token_ids"] == r[f"ar:{side}"]["token_ids"] for r in rows) for side in "10"}
-        print(f"| {m} | {np.median(on):.1f} | {np.median(off):.1f} | {g:.3f} [{lo:.3f}, {hi:.3f}] | "
-              f"{over['1'][0]:.3f}x [{over['1'][1]:.3f}, {over['1'][2]:.3f}] | {over['0'][0]:.3f}x [{over['0'][1]:.3f}, {over['0'][2]:.3f}] | "
-              f"{same['1']}/{len(rows)} / {same['0']}/{len(rows)} |")
-    same_ar = sum(r["ar:1"]["token_ids"] == r["ar:0"]["token_ids"] for r in rows)
-    print(f"\nar's tokens the same on and off on {same_ar} of {len(rows)} prompts")
+    report(rows, methods)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "prompts": rows}, f)

@@ -39,7 +39,7 @@ import torch
 
 from specstore.runtime import gemm
 from specstore.runtime.kv_cache import GrowingLayer
-from specstore.runtime.linear import is_packed, kernel_panel, stacked_panel, weight_state
+from specstore.runtime.linear import kernel_panel, stacked_panel, weight_state
 
 MAX_ROWS = gemm.MAX_ROWS  # tokens of a forward it takes (a plain step, a tree and its padding); longer go to the modules
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -91,12 +91,12 @@ def reason(model) -> str | None:
             return "an attention layer slides or drops out"
         if attn.o_proj.bias is not None:
             return "its attention output projection has a bias"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not is_packed(getattr(attn, proj)) or kernel_panel(getattr(attn, proj)) is None:
-                return "its linears are not on the kernel's panels (linear.use_packed_linears)"
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            if kernel_panel(getattr(layer.mlp, proj)) is None:
-                return "its linears are not on the kernel's panels (linear.use_packed_linears)"
+        linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(kernel_panel(m) is None for m in linears):
+            return "its linears are not on the kernel's panels (linear.use_packed_linears)"
+        if layer.mlp.gate_proj.out_features != base.layers[0].mlp.gate_proj.out_features or layer.mlp.down_proj.bias is not None:
+            return "its MLPs differ between layers or have a bias"
     if kernel_panel(model.get_output_embeddings()) is None:
         return "its output head is not on the kernel's panels"
     heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads or cfg.num_attention_heads)
@@ -153,8 +153,6 @@ class KernelForward:
             down.append(kernel_panel(mlp.down_proj))
             norm_in.append(layer.input_layernorm.weight.detach().contiguous())
             norm_post.append(layer.post_attention_layernorm.weight.detach().contiguous())
-            if int(mlp.gate_proj.out_features) != self.inter or mlp.down_proj.bias is not None:
-                raise ValueError("the kernel forward does not take this model: its MLPs differ between layers")
         self.layers = len(layers)
         self._keep += qkv + gate_up + out + down + norm_in + norm_post + [b for b in qkv_bias + gate_up_bias if b is not None]
         self._qkv, self._out, self._gate_up, self._down = (_pointers(t) for t in (qkv, out, gate_up, down))
@@ -206,11 +204,12 @@ class KernelForward:
         rows = len(tokens)
         layers = cache.layers
         cached = layers[0].__dict__["_length"]
-        for layer in layers:
+        keys, values = [], []
+        for layer in layers:  # one pass a step: room for the rows, and the buffers the kernel writes
             if layer.__dict__["_length"] != cached or not layer.reserve(rows):
                 raise ValueError("the cache's layers do not hold the same rows")
-        keys = [layer._key_buffer for layer in layers]
-        values = [layer._value_buffer for layer in layers]
+            keys.append(layer._key_buffer)
+            values.append(layer._value_buffer)
         stride = keys[0].stride(1)
         if any(b.stride(1) != stride or not b.is_contiguous() for b in keys + values):
             raise ValueError("the cache's layers have buffers of different capacities")

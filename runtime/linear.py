@@ -206,10 +206,9 @@ def is_packed(module: torch.nn.Module) -> bool:
 
 def kernel_panel(module: torch.nn.Module) -> torch.Tensor | None:
     """``module``'s weight as specstore's kernel's panels (gemm.pack), where it runs on them."""
-    held = getattr(module, "__dict__", {}).get(_ATTR)
-    if not isinstance(module, PackedLinear) or held is None or held[4] is None:
+    if not isinstance(module, PackedLinear) or _stale(module):
         return None
-    return held[4] if held[1] == weight_state(module) else None
+    return module.__dict__[_ATTR][4]
 
 
 def weight_state(module: torch.nn.Linear) -> tuple:

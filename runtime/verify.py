@@ -197,14 +197,14 @@ class TreeVerifier:
         positions, mask = tree_attention_inputs(tree, self.num_cached, self.dtype, self.device, pad)
         if kernel:
             logits, hidden = self.kernel_forward(tokens, self.cache, positions, mask)
-            logits, hidden = logits.unsqueeze(0), hidden.unsqueeze(0)
         else:
             ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
             logits, hidden = self._forward(ids, self.cache, attention_mask=mask, position_ids=positions)
+            logits, hidden = logits[0], hidden[0]
         if pad:
             self.cache.crop(-pad)  # transformers 5.x: negative = tokens to remove
-            return logits[0, :-pad], hidden[0, :-pad]
-        return logits[0], hidden[0]
+            return logits[:-pad], hidden[:-pad]
+        return logits, hidden
 
     def compact(self, num_before: int, tree: DraftTree, accepted: list[int]) -> None:
         """Keep the cache entries of the pending token and the accepted path, drop the rest.
