@@ -33,7 +33,10 @@ while the pool searches (ReSpec's drafting 1.39 -> 1.06 ms a step on chat-large,
 code; BENCHMARKS.md, twenty-sixth session). In float32 (a CPU without AVX-512 BF16) the guess
 costs ~0.5 ms warm and ~1.1 ms right after a forward on a 2-core Zen 3, and runs beside the
 search the same way (csrc/small_gemm.c: specstore_head_beside_f32; BENCHMARKS.md, thirtieth
-session). The guess is a draft like any other: the target
+session). There the head holds its three weights in bf16 by default (``WEIGHTS``; every path
+computes with the rounded weights, widened to float32 as read): half the bytes a guess waits
+for (a call beside the search 0.92 -> 0.66 ms median on a Zen 3, thirty-sixth session; the
+guesses the same, the tune splits' MAT unmoved). The guess is a draft like any other: the target
 verifies it, so a wrong or damaged head costs speed, never output.
 """
 
@@ -51,6 +54,7 @@ from specstore.runtime.errors import SpecstoreError
 
 FORMAT = "specstore-draft-head/1"
 MAX_LOADED = 4  # heads kept loaded per process (DraftHead.cached)
+WEIGHTS = "bf16"  # how a float32 head holds its three weights (DraftHead; module doc)
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "out.weight", "embed.weight", "vocab")
 
 
@@ -92,7 +96,10 @@ class DraftHead:
     probabilities under the head (over its vocabulary)."""
 
     def __init__(self, net: HeadNet, vocab: np.ndarray, info: HeadInfo, vocab_size: int | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, weights: str | None = None):
+        self.weights = WEIGHTS if weights is None else weights
+        if self.weights not in ("float32", "bf16"):
+            raise ValueError(f"a draft head's weights are float32 or bf16, not {self.weights!r}")
         self.net = net.eval()
         self.vocab = np.asarray(vocab, dtype=np.int64)
         self.info = info
@@ -121,6 +128,10 @@ class DraftHead:
         self.infer = self.infer.to(dtype).eval()
         for p in self.infer.parameters():
             p.requires_grad_(False)
+        if dtype == torch.float32 and self.weights == "bf16":  # every path computes with the rounded weights
+            for name in ("fc1h", "fc2", "out"):
+                weight = self.infer[name].weight
+                weight.copy_(weight.to(torch.bfloat16).float())
         self.pending_rows = pending.to(dtype)
         self.dtype = dtype
         from specstore.runtime.linear import use_packed_linears
@@ -131,14 +142,20 @@ class DraftHead:
 
         if gemm.has_head(dtype=dtype) and (dtype == torch.float32 or (hidden % 2 == 0 and w1.shape[0] % 2 == 0)):
             f = self.infer
-            self._kernel = (gemm.pack(f["fc1h"].weight), gemm.pack(f["fc2"].weight), f["fc2"].bias.contiguous(),
-                            gemm.pack(f["out"].weight))
+            names = ("fc1h", "fc2", "out")
+            if dtype == torch.float32 and self.weights == "bf16":
+                fc1, fc2, out = (gemm.pack(f[name].weight.to(torch.bfloat16), pairs=False) for name in names)
+            else:
+                fc1, fc2, out = (gemm.pack(f[name].weight) for name in names)
+            self._kernel = (fc1, fc2, f["fc2"].bias.contiguous(), out)
 
     @classmethod
-    def load(cls, path: str | Path, *, expect=None, dtype: torch.dtype | None = None) -> DraftHead:
+    def load(cls, path: str | Path, *, expect=None, dtype: torch.dtype | None = None,
+             weights: str | None = None) -> DraftHead:
         """Read a head file. ``expect``: the target's ModelInfo (or a dict of its fields): a
         head trained for another model or tokenizer is refused, naming the field. ``dtype``:
-        compute dtype (default: bf16 where the CPU has it natively, else float32)."""
+        compute dtype (default: bf16 where the CPU has it natively, else float32). ``weights``:
+        how a float32 head holds its three weights (``WEIGHTS`` by default)."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -163,7 +180,7 @@ class DraftHead:
             raise SpecstoreError(f"draft head {path} has inconsistent shapes")
         net = HeadNet(hidden, inner, size)
         net.load_state_dict(tensors)
-        return cls(net, vocab, info, dtype=dtype)
+        return cls(net, vocab, info, dtype=dtype, weights=weights)
 
     @classmethod
     def cached(cls, path: str | Path, *, expect=None) -> DraftHead:
@@ -174,7 +191,7 @@ class DraftHead:
             stat = path.stat()
         except OSError:
             return cls.load(path, expect=expect)  # its error: the file does not exist
-        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, WEIGHTS)
         head = _LOADED.get(key)
         if head is None:
             head = cls.load(path)

@@ -229,8 +229,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.specstore_head_beside.restype = i32
     lib.head_f32 = bool(lib.specstore_gemm_features() & 64)
     if lib.head_f32:
-        lib.specstore_head_beside_f32.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p]
+        lib.specstore_head_beside_f32.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p, i32]
         lib.specstore_head_beside_f32.restype = i32
+    lib.entropy_f32 = bool(lib.specstore_gemm_features() & 512)
+    if lib.entropy_f32:
+        lib.specstore_entropy_f32.argtypes = [p, i64]
+        lib.specstore_entropy_f32.restype = ctypes.c_double
     problem = _self_check(lib)
     if problem:
         return None, problem
@@ -460,7 +464,8 @@ def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tens
     (csrc/small_gemm.c: specstore_head_beside and specstore_head_beside_f32;
     runtime/draft_head.py: DraftHead.guess_beside): ``hidden`` [H] and ``pending`` [I], the three
     weights as ``pack`` gives them, ``b2`` [H] or None, all bf16 (pair panels; CPUs with AVX-512
-    BF16) or all float32 (any CPU the kernel runs on); the probabilities go to ``probs``
+    BF16) or all float32 (any CPU the kernel runs on; the three weights may instead be bf16 panels
+    packed with ``pairs=False``, widened as read: half the bytes); the probabilities go to ``probs``
     (float32 [vocab]) and the ``len(top)`` likeliest indices to ``top`` (int64, -1 past the
     last). Returns ``(True, fn())``; ``(False, None)`` where the kernel does not take the call
     (nothing run). What ``fn`` raises is raised here, after the guess is done."""
@@ -468,11 +473,14 @@ def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tens
     dtype = hidden.dtype
     if not has_head(lib, dtype) or not 0 <= len(top) <= HEAD_MAX_K:
         return False, None
-    tensors = (hidden, pending, fc1, fc2, out) + (() if b2 is None else (b2,))
-    if any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    weights = (fc1, fc2, out)
+    w16 = dtype == torch.float32 and all(w.dtype == torch.bfloat16 for w in weights)
+    vectors = (hidden, pending) + (() if b2 is None else (b2,))
+    if (any(t.dtype != dtype for t in vectors + (() if w16 else weights))
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in vectors + weights)):
         return False, None
     h, i = hidden.numel(), pending.numel()
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # float32 or bf16 weights, plain panels
         shapes = ((-(-i // NB), h, NB), (-(-h // NB), i, NB), (-(-vocab // NB), h, NB))
     else:
         shapes = ((-(-i // NB), h // 2, NB, 2), (-(-h // NB), i // 2, NB, 2), (-(-vocab // NB), h // 2, NB, 2))
@@ -486,7 +494,7 @@ def head_beside(fn, hidden: torch.Tensor, pending: torch.Tensor, fc1: torch.Tens
     try:
         status = call(_BESIDE_CALLBACK, hidden.data_ptr(), pending.data_ptr(), fc1.data_ptr(), fc2.data_ptr(),
                       None if b2 is None else b2.data_ptr(), out.data_ptr(), h, i, vocab, len(top), probs.ctypes.data,
-                      top.ctypes.data)
+                      top.ctypes.data, *((int(w16),) if dtype == torch.float32 else ()))
         result = _beside.result
     finally:
         _beside.fn, _beside.result = outer
@@ -619,25 +627,30 @@ def argmax(logits: torch.Tensor) -> int | None:
 
 
 def entropy(logits: torch.Tensor) -> float | None:
-    """Entropy in nats of softmax(``logits``) for 1-D contiguous bf16 CPU logits through the
-    kernel (one call, two passes; NaN where a logit is NaN or +inf); None where the kernel has no
-    such function here or the logits are of another kind (the caller computes it with torch)."""
-    if (logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 1
-            or not logits.is_contiguous() or not has_attention()):
+    """Entropy in nats of softmax(``logits``) for 1-D contiguous bf16 or float32 CPU logits
+    through the kernel (one call, two passes; NaN where a logit is NaN or +inf); None where the
+    kernel has no such function here or the logits are of another kind (the caller computes it
+    with torch)."""
+    if logits.device.type != "cpu" or logits.dim() != 1 or not logits.is_contiguous():
         return None
-    return float(_lib.specstore_entropy_bf16(logits.data_ptr(), logits.shape[0]))
+    lib = library()
+    if logits.dtype == torch.bfloat16 and has_attention(lib):
+        return float(lib.specstore_entropy_bf16(logits.data_ptr(), logits.shape[0]))
+    if logits.dtype == torch.float32 and lib is not None and getattr(lib, "entropy_f32", False):
+        return float(lib.specstore_entropy_f32(logits.data_ptr(), logits.shape[0]))
+    return None
 
 
-def pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None, pairs: bool = True) -> torch.Tensor:
     """``weight`` [n, k] (float32 or bf16) as the kernel's panels, zero-padded past n:
-    [ceil(n / 16), k, 16]; bf16 with even k where the kernel has dot products: pairs of k,
-    [ceil(n / 16), k / 2, 16, 2] (csrc/small_gemm.c)."""
+    [ceil(n / 16), k, 16]; bf16 with even k where the kernel has dot products (and ``pairs``):
+    pairs of k, [ceil(n / 16), k / 2, 16, 2] (csrc/small_gemm.c)."""
     n, k = weight.shape
     blocks = -(-n // NB)
     padded = weight.detach()
     if blocks * NB != n:
         padded = torch.cat([padded, padded.new_zeros(blocks * NB - n, k)])
-    if weight.dtype == torch.bfloat16 and k % 2 == 0 and dot_bf16(lib):
+    if pairs and weight.dtype == torch.bfloat16 and k % 2 == 0 and dot_bf16(lib):
         return padded.reshape(blocks, NB, k // 2, 2).transpose(1, 2).contiguous()
     return padded.reshape(blocks, NB, k).transpose(1, 2).contiguous()
 

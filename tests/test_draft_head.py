@@ -214,17 +214,24 @@ def test_the_heads_guess_beside_other_work_is_its_guess(head_setup):
     assert same >= 0.9 * len(positions), (same, len(positions))
 
 
-def test_a_float32_heads_guess_beside_other_work_is_torchs_to_rounding(head_setup):
+@pytest.mark.parametrize("weights", ["float32", "bf16"])
+def test_a_float32_heads_guess_beside_other_work_is_torchs_to_rounding(head_setup, weights):
     """The float32 guess beside (csrc/small_gemm.c: specstore_head_beside_f32, the one CPUs without
     AVX-512 BF16 run) on every CPU the kernel runs on: the head loaded in float32 gives torch's
-    float32 distribution to float32's rounding and the same likeliest tokens, and ``fn``'s value."""
+    float32 distribution to float32's rounding and the same likeliest tokens, and ``fn``'s value;
+    with its weights held in bf16 (the default), torch's distribution with the same rounded
+    weights, the kernel reading half the bytes."""
     from specstore.runtime import gemm
 
     _, _, _, trained, data, path = head_setup
     if not gemm.has_head(dtype=torch.float32) or torch.get_num_threads() < 2:
         pytest.skip(f"no CPU kernel float32 head here ({gemm.unavailable_reason() or 'one thread'})")
-    head = DraftHead.load(path, dtype=torch.float32)
-    assert head._kernel is not None and head._kernel[0].dtype == torch.float32
+    head = DraftHead.load(path, dtype=torch.float32, weights=weights)
+    wide = torch.float32 if weights == "float32" else torch.bfloat16
+    assert head._kernel is not None and all(head._kernel[i].dtype == wide for i in (0, 1, 3))
+    for name in ("fc1h", "fc2", "out"):  # the torch path computes with the weights the kernel reads
+        weight = head.infer[name].weight
+        assert weight.dtype == torch.float32 and torch.equal(weight, weight.to(wide).float())
     for i in range(0, len(data["target"]), 3):
         h, pending = data["hidden"][i], int(data["pending"][i])
         want = head.distribution(h, pending)
@@ -334,3 +341,22 @@ def test_candidates_the_head_rules_out_are_not_proposed_unless_they_copy_the_con
     assert keep_all._head_agrees(Candidate(("suffix", 0), [unlikely, 5]))
     with pytest.raises(ValueError, match="head_floor"):
         respec.ReSpecConfig(head_floor=1.5)
+
+
+def test_a_heads_weights_in_bf16_guess_as_its_float32_weights_do(head_setup):
+    """Rounding the three weights of a float32 head to bf16 (DraftHead's default ``weights``)
+    changes its probabilities by rounding, not its guesses: the likeliest token the same at
+    nearly every position. Weights other than float32 or bf16 are refused."""
+    _, _, _, _, data, path = head_setup
+    wide = DraftHead.load(path, dtype=torch.float32, weights="float32")
+    narrow = DraftHead.load(path, dtype=torch.float32, weights="bf16")
+    same, gap, positions = 0, 0.0, range(0, len(data["target"]), 2)
+    for i in positions:
+        h, pending = data["hidden"][i], int(data["pending"][i])
+        a, b = wide.distribution(h, pending), narrow.distribution(h, pending)
+        same += wide.top(a, 1)[0][0] == narrow.top(b, 1)[0][0]
+        gap = max(gap, float((a - b).abs().max()))
+    assert same >= 0.95 * len(positions), (same, len(positions))
+    assert 0 < gap < 0.05
+    with pytest.raises(ValueError, match="float32 or bf16"):
+        DraftHead.load(path, dtype=torch.float32, weights="int8")

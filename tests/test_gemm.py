@@ -393,7 +393,7 @@ def test_attention_is_not_taken_where_the_kernel_has_none(monkeypatch):
         assert not gemm.attention_takes(q, k, v, mask)
 
 
-needs_dense = pytest.mark.skipif(not gemm.has_dense(), reason="the kernel has no dense search here (needs AVX-512)")
+needs_dense = pytest.mark.skipif(not gemm.has_dense(), reason="the kernel is not loaded here (its dense search needs AVX2)")
 
 
 def _dense_reference(hidden, weight, bias, eps, scales, rows, k):

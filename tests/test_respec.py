@@ -71,25 +71,35 @@ def test_entropy_matches_the_definition():
     assert abs(entropy(peaked)) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("size", [V, 49152, 49152 + 7])
-def test_entropy_of_bf16_logits_matches_the_definition(size):
-    """bf16 logits (the kernel's one call where it has one, torch's ops elsewhere): spread,
-    uniform, masked with -inf, one token taking all, a length that is no multiple of 16; NaN
-    logits give NaN or torch's answer, never a number that looks like a confident step."""
+def test_entropy_of_bf16_and_float32_logits_matches_the_definition(size, dtype):
+    """bf16 and float32 logits (the kernel's one call where it has one, torch's ops elsewhere):
+    spread, uniform, masked with -inf, one token taking all, a length that is no multiple of 8 or
+    16; NaN or +inf logits give NaN or torch's answer, never a number that looks like a confident
+    step."""
+    from specstore.runtime import gemm
+
     g = torch.Generator().manual_seed(size)
     masked = torch.full((size,), float("-inf"))
     masked[:5] = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.5])
     peaked = torch.zeros(size)
     peaked[3] = 90.0
     for logits in (3 * torch.randn(size, generator=g), torch.zeros(size), masked, peaked):
-        b = logits.to(torch.bfloat16)
+        b = logits.to(dtype)
         p = torch.softmax(b.double(), 0)
         want = float(-(p[p > 0] * p[p > 0].log()).sum())
         # torch's way (CPUs without the kernel's call) sums 49k float32 terms: ~1e-5 relative
         assert entropy(b) == pytest.approx(want, rel=5e-5, abs=1e-4)
-    broken = torch.zeros(size, dtype=torch.bfloat16)
-    broken[size // 2] = float("nan")
-    assert math.isnan(entropy(broken))
+        fast = gemm.entropy(b)
+        assert fast is None or fast == pytest.approx(want, rel=5e-5, abs=1e-4)
+    if dtype == torch.float32 and gemm.available():  # every CPU the kernel runs on has the float32 call
+        assert gemm.entropy(torch.zeros(size)) == pytest.approx(math.log(size), rel=1e-6)
+    for bad in (float("nan"), float("inf")):
+        broken = torch.zeros(size, dtype=dtype)
+        broken[size // 2] = bad
+        assert math.isnan(entropy(broken))
+        assert gemm.entropy(broken) is None or math.isnan(gemm.entropy(broken))
 
 
 @pytest.mark.parametrize("threshold", [0.3, 1.0, 2.5])

@@ -377,16 +377,57 @@ static void run_beside(beside_fn beside, void (*job)(void *), void *arg) {
  * (panels of 16 outputs, k rows each); the k likeliest (probability descending, ties to the lower
  * index) go to top, -1 past the last. */
 typedef struct {
-    const float *h, *pending, *fc1, *fc2, *b2, *out;
+    const float *h, *pending, *b2;
+    const void *fc1, *fc2, *out;
     int64_t hidden, inner, vocab, k;
     float *probs, *u, *z;
     int64_t *top;
+    int w16; /* the three weights' panels hold bf16 (widened exactly to float32 as read), not float32 */
 } head_f32_job;
 
-static void matvec_f32(const float *x, const float *panel, int64_t n, int64_t k, float *y) {
-    float acc[NB];
-    for (int64_t b = 0; b * NB < n; b++) {
-        block(1, 0, x, k, panel + b * k * NB, 0, k, acc);
+/* one row times two panels at once (four independent sums: one panel's two chains of dependent
+ * FMAs leave the loads waiting), each output summed in increasing k as block() sums it */
+static inline __attribute__((always_inline)) void matvec_pair(const int w16, const float *x, const void *p0,
+                                                              const void *p1, int64_t k, float *acc) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 w0, w1, w2, w3;
+        if (w16) {
+            load_bf16(p0, kk, &w0, &w1);
+            load_bf16(p1, kk, &w2, &w3);
+        } else {
+            load_f32(p0, kk, &w0, &w1);
+            load_f32(p1, kk, &w2, &w3);
+        }
+        const __m256 v = _mm256_broadcast_ss(x + kk);
+        a0 = _mm256_fmadd_ps(v, w0, a0);
+        a1 = _mm256_fmadd_ps(v, w1, a1);
+        a2 = _mm256_fmadd_ps(v, w2, a2);
+        a3 = _mm256_fmadd_ps(v, w3, a3);
+    }
+    _mm256_storeu_ps(acc, a0);
+    _mm256_storeu_ps(acc + 8, a1);
+    _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3);
+}
+
+static void matvec_f32(const float *x, const void *panel, int w16, int64_t n, int64_t k, float *y) {
+    float acc[2 * NB];
+    const size_t bytes = (w16 ? sizeof(uint16_t) : sizeof(float)) * (size_t)k * NB; /* one panel */
+    const char *base = panel;
+    int64_t b = 0;
+    for (; (b + 2) * NB <= n; b += 2) {
+        if (w16)
+            matvec_pair(1, x, base + b * bytes, base + (b + 1) * bytes, k, acc);
+        else
+            matvec_pair(0, x, base + b * bytes, base + (b + 1) * bytes, k, acc);
+        memcpy(y + b * NB, acc, 2 * NB * sizeof(float));
+    }
+    for (; b * NB < n; b++) {
+        if (w16)
+            block(1, 1, x, k, base + b * bytes, 0, k, acc);
+        else
+            block(1, 0, x, k, base + b * bytes, 0, k, acc);
         const int64_t cols = n - b * NB < NB ? n - b * NB : NB;
         memcpy(y + b * NB, acc, (size_t)cols * sizeof(float));
     }
@@ -395,15 +436,15 @@ static void matvec_f32(const float *x, const float *panel, int64_t n, int64_t k,
 static void head_f32_run(void *arg) {
     head_f32_job *j = arg;
     const int64_t H = j->hidden, I = j->inner, V = j->vocab;
-    matvec_f32(j->h, j->fc1, I, H, j->u);
+    matvec_f32(j->h, j->fc1, j->w16, I, H, j->u);
     for (int64_t i = 0; i < I; i++) {
         const float t = j->u[i] + j->pending[i];
         j->u[i] = t / (1.0f + expf(-t));
     }
-    matvec_f32(j->u, j->fc2, H, I, j->z);
+    matvec_f32(j->u, j->fc2, j->w16, H, I, j->z);
     for (int64_t i = 0; i < H; i++) j->z[i] = j->h[i] + (j->z[i] + (j->b2 ? j->b2[i] : 0.0f));
     float *p = j->probs, best = -INFINITY, sum = 0.0f;
-    matvec_f32(j->z, j->out, V, H, p);
+    matvec_f32(j->z, j->out, j->w16, V, H, p);
     for (int64_t i = 0; i < V; i++) best = p[i] > best ? p[i] : best;
     for (int64_t i = 0; i < V; i++) sum += (p[i] = expf(p[i] - best));
     const float inv = 1.0f / sum;
@@ -416,14 +457,16 @@ static void head_f32_run(void *arg) {
     for (int64_t i = count; i < j->k; i++) j->top[i] = -1;
 }
 
-/* Returns 0, or -1 for arguments it does not take (nothing run). */
-int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pending, const float *fc1,
-                              const float *fc2, const float *b2, const float *out, int64_t hidden, int64_t inner,
-                              int64_t vocab, int64_t k, float *probs, int64_t *top) {
+/* Returns 0, or -1 for arguments it does not take (nothing run). ``w16``: the weights' panels are
+ * bf16 ([ceil(n / 16), k, 16], not pairs): half the bytes to read right after a verification,
+ * where the guess waits on memory; the arithmetic is the float32 one on the widened weights. */
+int specstore_head_beside_f32(beside_fn beside, const float *h, const float *pending, const void *fc1,
+                              const void *fc2, const float *b2, const void *out, int64_t hidden, int64_t inner,
+                              int64_t vocab, int64_t k, float *probs, int64_t *top, int w16) {
     if (hidden <= 0 || inner <= 0 || vocab <= 0 || k < 0 || k > HEAD_MAX_K) return -1;
     float *work = malloc((size_t)(hidden + inner) * sizeof(float));
     if (!work) return -1;
-    head_f32_job j = {h, pending, fc1, fc2, b2, out, hidden, inner, vocab, k, probs, work, work + inner, top};
+    head_f32_job j = {h, pending, b2, fc1, fc2, out, hidden, inner, vocab, k, probs, work, work + inner, top, w16 != 0};
     run_beside(beside, head_f32_run, &j);
     free(work);
     return 0;
@@ -884,6 +927,171 @@ int specstore_decoder_f32(int64_t layers, int64_t rows, int64_t hidden, int64_t 
     return code;
 }
 
+/* Entropy in nats of softmax(x [n]) for float32 logits (runtime/drafters/respec.py: entropy; the
+ * bf16 twin is specstore_entropy_bf16): two passes, the max, then H = log Z - (sum e d) / Z with
+ * d = x - max clamped at -100 and e = e^d (exp8_ps), summed in 8 lanes. NaN where a logit is NaN
+ * or +inf, or all are -inf; -inf logits (p = 0) add nothing. */
+double specstore_entropy_f32(const float *x, int64_t n) {
+    if (n <= 0) return NAN;
+    const int64_t n8 = n - n % F32_LANES;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n8; i += F32_LANES) top = _mm256_max_ps(_mm256_loadu_ps(x + i), top);
+    float l[8], best = -INFINITY;
+    _mm256_storeu_ps(l, top);
+    for (int j = 0; j < 8; j++) best = l[j] > best ? l[j] : best;
+    for (int64_t i = n8; i < n; i++) best = x[i] > best ? x[i] : best;
+    if (!(best > -INFINITY && best < INFINITY)) return NAN;
+    const __m256 shift = _mm256_set1_ps(best), floor = _mm256_set1_ps(-100.0f);
+    __m256 z = _mm256_setzero_ps(), w = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += F32_LANES) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 d = _mm256_max_ps(_mm256_sub_ps(v, shift), floor);
+        const __m256 e = exp8_ps(d);
+        z = _mm256_add_ps(z, e);
+        w = _mm256_fmadd_ps(e, d, w);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(bad)) return NAN;
+    double zs = lanes_sum8(z), ws = lanes_sum8(w);
+    for (int64_t i = n8; i < n; i++) {
+        const float v = x[i];
+        if (v != v) return NAN;
+        const float d = v - best < -100.0f ? -100.0f : v - best;
+        const float e = expf(d);
+        zs += e;
+        ws += (double)e * d;
+    }
+    return log(zs) - ws / zs;
+}
+
+/* DReSD's dense search of one query in one block (runtime/dense.py: DenseIndex.search_hidden),
+ * in one call instead of a dozen small torch and numpy ones, each on cold caches right after a
+ * forward. The query: p = h W + b (h [H] bf16 or float32, the normaliser's folded affine map
+ * W [H][D], b [D], float32), p / max(|p|, eps) (written to ``query`` where it is not NULL: an
+ * approximate index searches with it), then divided by the codes' per-dimension ``scales``
+ * (NULL: float32 rows). Scores: each of the n rows (int8 codes, or float32 rows; D values
+ * each, rows contiguous) dotted with it in float32. The k best (score descending, ties to the
+ * lower offset, as dense._top) go to idx and scores; returns how many (fewer where n < k or
+ * scores are NaN). float32 sums in 16 lanes (8 in the AVX2 build): scores agree with torch's to
+ * rounding, not bits. */
+#define DENSE_MAX_DIM 1024
+#define DENSE_MAX_K 256
+#define DENSE_PARALLEL_ROWS 16384 /* blocks this long are scanned by every thread, halves merged */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline float row_score(const void *codes, int codes_int8, int64_t r, int64_t dim, const float *q) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    if (codes_int8) {
+        const int8_t *row = (const int8_t *)codes + r * dim;
+        for (; j + 16 <= dim; j += 16)
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + j)))),
+                                  _mm512_loadu_ps(q + j), acc);
+        float tail = 0.0f;
+        for (; j < dim; j++) tail += (float)row[j] * q[j];
+        return _mm512_reduce_add_ps(acc) + tail;
+    }
+    const float *row = (const float *)codes + r * dim;
+    for (; j + 16 <= dim; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(q + j), acc);
+    float tail = 0.0f;
+    for (; j < dim; j++) tail += row[j] * q[j];
+    return _mm512_reduce_add_ps(acc) + tail;
+}
+#else /* AVX2: the same in 8 lanes (scores then differ from the AVX-512 build's in rounding) */
+static inline float row_score(const void *codes, int codes_int8, int64_t r, int64_t dim, const float *q) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    if (codes_int8) {
+        const int8_t *row = (const int8_t *)codes + r * dim;
+        for (; j + 8 <= dim; j += 8)
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))),
+                                  _mm256_loadu_ps(q + j), acc);
+        float tail = 0.0f;
+        for (; j < dim; j++) tail += (float)row[j] * q[j];
+        return lanes_sum8(acc) + tail;
+    }
+    const float *row = (const float *)codes + r * dim;
+    for (; j + 8 <= dim; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(q + j), acc);
+    float tail = 0.0f;
+    for (; j < dim; j++) tail += row[j] * q[j];
+    return lanes_sum8(acc) + tail;
+}
+#endif
+
+int64_t specstore_dense_top(const void *hidden, int hidden_bf16, int64_t hsize, const float *weight, const float *bias,
+                            int64_t dim, float eps, const float *scales, const void *codes, int codes_int8, int64_t n,
+                            int64_t k, int threads, float *query, int64_t *idx, float *scores) {
+    if (dim <= 0 || dim > DENSE_MAX_DIM || k > DENSE_MAX_K || k < 0) return -1;
+    float p[DENSE_MAX_DIM], q[DENSE_MAX_DIM];
+    for (int64_t j = 0; j < dim; j++) p[j] = bias ? bias[j] : 0.0f;
+    for (int64_t i = 0; i < hsize; i++) { /* p += h[i] W[i]: the weight read once, in rows */
+        float h = hidden_bf16 ? bf16_to_f32(((const uint16_t *)hidden)[i]) : ((const float *)hidden)[i];
+        const float *w = weight + i * dim;
+        int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        const __m512 hv = _mm512_set1_ps(h);
+        for (; j + 16 <= dim; j += 16) _mm512_storeu_ps(p + j, _mm512_fmadd_ps(hv, _mm512_loadu_ps(w + j), _mm512_loadu_ps(p + j)));
+#else
+        const __m256 hv = _mm256_set1_ps(h);
+        for (; j + 8 <= dim; j += 8) _mm256_storeu_ps(p + j, _mm256_fmadd_ps(hv, _mm256_loadu_ps(w + j), _mm256_loadu_ps(p + j)));
+#endif
+        for (; j < dim; j++) p[j] += h * w[j];
+    }
+    float norm = 0.0f;
+    for (int64_t j = 0; j < dim; j++) norm += p[j] * p[j];
+    norm = sqrtf(norm);
+    if (!(norm > eps)) norm = norm == norm ? eps : norm;
+    for (int64_t j = 0; j < dim; j++) {
+        p[j] /= norm;
+        q[j] = scales ? p[j] / scales[j] : p[j];
+    }
+    if (query) memcpy(query, p, (size_t)dim * sizeof(float));
+    if (n <= 0 || k == 0) return 0;
+    int64_t count = 0;
+    if (n < DENSE_PARALLEL_ROWS || threads < 2) {
+        for (int64_t r = 0; r < n; r++) top_insert(row_score(codes, codes_int8, r, dim, q), r, k, &count, idx, scores);
+        return count;
+    }
+    int parts = threads > 8 ? 8 : threads;
+    int64_t part_idx[8][DENSE_MAX_K], part_count[8] = {0};
+    float part_scores[8][DENSE_MAX_K];
+#pragma omp parallel for schedule(static) num_threads(parts)
+    for (int t = 0; t < parts; t++) {
+        int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
+        for (int64_t r = lo; r < hi; r++)
+            top_insert(row_score(codes, codes_int8, r, dim, q), r, k, &part_count[t], part_idx[t], part_scores[t]);
+    }
+    for (int t = 0; t < parts; t++)
+        for (int64_t i = 0; i < part_count[t]; i++) top_insert(part_scores[t][i], part_idx[t][i], k, &count, idx, scores);
+    return count;
+}
+
+/* The approximate path's rerank (runtime/dense.py: DenseIndex._search_ann) in one call: the k
+ * best of the block's rows at ids[0 .. m) (offsets into codes' n rows; those outside [0, n) and
+ * repeats dropped), scored against query / scales (scales NULL: the query itself) and ordered
+ * as specstore_dense_top scores and orders them (ties to the lower offset). Returns how many;
+ * -1 where it does not take the call (the caller reranks in numpy). */
+#define RERANK_MAX_IDS 4096
+int64_t specstore_dense_rerank(const float *query, const float *scales, int64_t dim, const void *codes, int codes_int8,
+                               int64_t n, const int64_t *ids, int64_t m, int64_t k, int64_t *idx, float *scores) {
+    if (dim <= 0 || dim > DENSE_MAX_DIM || k > DENSE_MAX_K || k < 0 || m < 0 || m > RERANK_MAX_IDS) return -1;
+    float q[DENSE_MAX_DIM];
+    int64_t sorted[RERANK_MAX_IDS], s = 0, count = 0;
+    for (int64_t j = 0; j < dim; j++) q[j] = scales ? query[j] / scales[j] : query[j];
+    for (int64_t i = 0; i < m; i++) { /* ascending offsets, each once: ties then go to the lower one */
+        int64_t id = ids[i], j = s;
+        if (id < 0 || id >= n) continue;
+        while (j > 0 && sorted[j - 1] > id) j--;
+        if (j > 0 && sorted[j - 1] == id) continue;
+        memmove(sorted + j + 1, sorted + j, (size_t)(s - j) * sizeof(int64_t));
+        sorted[j] = id;
+        s++;
+    }
+    if (k == 0) return 0;
+    for (int64_t i = 0; i < s; i++) top_insert(row_score(codes, codes_int8, sorted[i], dim, q), sorted[i], k, &count, idx, scores);
+    return count;
+}
+
 /* bf16 products through AVX-512 BF16 dot products (VDPBF16PS), where the library is compiled
  * with -mavx512bf16 (runtime/gemm.py does so on CPUs with the avx512_bf16 flag).
  *
@@ -903,7 +1111,7 @@ int specstore_decoder_f32(int64_t layers, int64_t rows, int64_t hidden, int64_t 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 511; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack */
+int specstore_gemm_features(void) { return 1023; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack, 512: float32 entropy */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -1424,107 +1632,6 @@ void specstore_rotary_bf16(const uint16_t *x, int64_t heads, int64_t n, int64_t 
         }
 }
 
-/* DReSD's dense search of one query in one block (runtime/dense.py: DenseIndex.search_hidden),
- * in one call instead of a dozen small torch and numpy ones, each on cold caches right after a
- * forward. The query: p = h W + b (h [H] bf16 or float32, the normaliser's folded affine map
- * W [H][D], b [D], float32), p / max(|p|, eps) (written to ``query`` where it is not NULL: an
- * approximate index searches with it), then divided by the codes' per-dimension ``scales``
- * (NULL: float32 rows). Scores: each of the n rows (int8 codes, or float32 rows; D values
- * each, rows contiguous) dotted with it in float32. The k best (score descending, ties to the
- * lower offset, as dense._top) go to idx and scores; returns how many (fewer where n < k or
- * scores are NaN). float32 sums in 16 lanes: scores agree with torch's to rounding, not bits. */
-#define DENSE_MAX_DIM 1024
-#define DENSE_MAX_K 256
-#define DENSE_PARALLEL_ROWS 16384 /* blocks this long are scanned by every thread, halves merged */
-
-static inline float row_score(const void *codes, int codes_int8, int64_t r, int64_t dim, const float *q) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    if (codes_int8) {
-        const int8_t *row = (const int8_t *)codes + r * dim;
-        for (; j + 16 <= dim; j += 16)
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + j)))),
-                                  _mm512_loadu_ps(q + j), acc);
-        float tail = 0.0f;
-        for (; j < dim; j++) tail += (float)row[j] * q[j];
-        return _mm512_reduce_add_ps(acc) + tail;
-    }
-    const float *row = (const float *)codes + r * dim;
-    for (; j + 16 <= dim; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(q + j), acc);
-    float tail = 0.0f;
-    for (; j < dim; j++) tail += row[j] * q[j];
-    return _mm512_reduce_add_ps(acc) + tail;
-}
-
-int64_t specstore_dense_top(const void *hidden, int hidden_bf16, int64_t hsize, const float *weight, const float *bias,
-                            int64_t dim, float eps, const float *scales, const void *codes, int codes_int8, int64_t n,
-                            int64_t k, int threads, float *query, int64_t *idx, float *scores) {
-    if (dim <= 0 || dim > DENSE_MAX_DIM || k > DENSE_MAX_K || k < 0) return -1;
-    float p[DENSE_MAX_DIM], q[DENSE_MAX_DIM];
-    for (int64_t j = 0; j < dim; j++) p[j] = bias ? bias[j] : 0.0f;
-    for (int64_t i = 0; i < hsize; i++) { /* p += h[i] W[i]: the weight read once, in rows */
-        float h = hidden_bf16 ? bf16_to_f32(((const uint16_t *)hidden)[i]) : ((const float *)hidden)[i];
-        const float *w = weight + i * dim;
-        int64_t j = 0;
-        const __m512 hv = _mm512_set1_ps(h);
-        for (; j + 16 <= dim; j += 16) _mm512_storeu_ps(p + j, _mm512_fmadd_ps(hv, _mm512_loadu_ps(w + j), _mm512_loadu_ps(p + j)));
-        for (; j < dim; j++) p[j] += h * w[j];
-    }
-    float norm = 0.0f;
-    for (int64_t j = 0; j < dim; j++) norm += p[j] * p[j];
-    norm = sqrtf(norm);
-    if (!(norm > eps)) norm = norm == norm ? eps : norm;
-    for (int64_t j = 0; j < dim; j++) {
-        p[j] /= norm;
-        q[j] = scales ? p[j] / scales[j] : p[j];
-    }
-    if (query) memcpy(query, p, (size_t)dim * sizeof(float));
-    if (n <= 0 || k == 0) return 0;
-    int64_t count = 0;
-    if (n < DENSE_PARALLEL_ROWS || threads < 2) {
-        for (int64_t r = 0; r < n; r++) top_insert(row_score(codes, codes_int8, r, dim, q), r, k, &count, idx, scores);
-        return count;
-    }
-    int parts = threads > 8 ? 8 : threads;
-    int64_t part_idx[8][DENSE_MAX_K], part_count[8] = {0};
-    float part_scores[8][DENSE_MAX_K];
-#pragma omp parallel for schedule(static) num_threads(parts)
-    for (int t = 0; t < parts; t++) {
-        int64_t lo = n * t / parts, hi = n * (t + 1) / parts;
-        for (int64_t r = lo; r < hi; r++)
-            top_insert(row_score(codes, codes_int8, r, dim, q), r, k, &part_count[t], part_idx[t], part_scores[t]);
-    }
-    for (int t = 0; t < parts; t++)
-        for (int64_t i = 0; i < part_count[t]; i++) top_insert(part_scores[t][i], part_idx[t][i], k, &count, idx, scores);
-    return count;
-}
-
-/* The approximate path's rerank (runtime/dense.py: DenseIndex._search_ann) in one call: the k
- * best of the block's rows at ids[0 .. m) (offsets into codes' n rows; those outside [0, n) and
- * repeats dropped), scored against query / scales (scales NULL: the query itself) and ordered
- * as specstore_dense_top scores and orders them (ties to the lower offset). Returns how many;
- * -1 where it does not take the call (the caller reranks in numpy). */
-#define RERANK_MAX_IDS 4096
-int64_t specstore_dense_rerank(const float *query, const float *scales, int64_t dim, const void *codes, int codes_int8,
-                               int64_t n, const int64_t *ids, int64_t m, int64_t k, int64_t *idx, float *scores) {
-    if (dim <= 0 || dim > DENSE_MAX_DIM || k > DENSE_MAX_K || k < 0 || m < 0 || m > RERANK_MAX_IDS) return -1;
-    float q[DENSE_MAX_DIM];
-    int64_t sorted[RERANK_MAX_IDS], s = 0, count = 0;
-    for (int64_t j = 0; j < dim; j++) q[j] = scales ? query[j] / scales[j] : query[j];
-    for (int64_t i = 0; i < m; i++) { /* ascending offsets, each once: ties then go to the lower one */
-        int64_t id = ids[i], j = s;
-        if (id < 0 || id >= n) continue;
-        while (j > 0 && sorted[j - 1] > id) j--;
-        if (j > 0 && sorted[j - 1] == id) continue;
-        memmove(sorted + j + 1, sorted + j, (size_t)(s - j) * sizeof(int64_t));
-        sorted[j] = id;
-        s++;
-    }
-    if (k == 0) return 0;
-    for (int64_t i = 0; i < s; i++) top_insert(row_score(codes, codes_int8, sorted[i], dim, q), sorted[i], k, &count, idx, scores);
-    return count;
-}
-
 /* The draft head's guess (runtime/draft_head.py: DraftHead.guess_beside), bf16, beside other work.
  *
  * Right after a verification every weight the head reads (~6 MB: fc1's hidden half, fc2, the
@@ -1625,5 +1732,5 @@ int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *p
     return 0;
 }
 #else
-int specstore_gemm_features(void) { return 448; } /* 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack (the rest needs AVX-512 BF16) */
+int specstore_gemm_features(void) { return 968; } /* 8: dense search, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack, 512: float32 entropy (the rest needs AVX-512 BF16) */
 #endif
