@@ -183,18 +183,20 @@ class DraftHead:
         return cls(net, vocab, info, dtype=dtype, weights=weights)
 
     @classmethod
-    def cached(cls, path: str | Path, *, expect=None) -> DraftHead:
-        """``load``, once per file as it is on disk (path, inode, size, modification time) and process:
-        an engine builds a drafter per request, and reading and packing a head takes ~0.1 s."""
+    def cached(cls, path: str | Path, *, expect=None, weights: str | None = None) -> DraftHead:
+        """``load``, once per file as it is on disk (path, inode, size, modification time), form of
+        its weights and process: an engine builds a drafter per request, and reading and packing a
+        head takes ~0.1 s."""
         path = Path(path)
+        weights = WEIGHTS if weights is None else weights
         try:
             stat = path.stat()
         except OSError:
-            return cls.load(path, expect=expect)  # its error: the file does not exist
-        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, WEIGHTS)
+            return cls.load(path, expect=expect, weights=weights)  # its error: the file does not exist
+        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, weights)
         head = _LOADED.get(key)
         if head is None:
-            head = cls.load(path)
+            head = cls.load(path, weights=weights)
             if len(_LOADED) >= MAX_LOADED:
                 _LOADED.pop(next(iter(_LOADED)))
             _LOADED[key] = head

@@ -280,6 +280,28 @@ def test_respec_runs_the_heads_guess_beside_its_pool_unless_told_not_to(head_set
         assert (len(calls) >= head_steps) if expect_calls else not calls
 
 
+def test_respec_loads_its_head_with_the_weights_it_is_told(head_setup):
+    """``head_weights`` (bf16 by default, float32, `--head-weights`) reaches the head a ReSpec
+    drafter loads, each form cached apart; the rounded head keeps ar's output; another value is
+    refused."""
+    from specstore.runtime.drafters.respec_cli import CONFIG_FLAGS
+
+    store, loaded, ar, _, _, path = head_setup
+    ds = Datastore.open(store, "own", loaded.info)
+    default = make_drafter("respec", ds, head=str(path), entropy_threshold=math.inf, max_candidates=8)
+    whole = make_drafter("respec", ds, head=str(path), head_weights="float32")
+    assert default.head.weights == "bf16" and whole.head.weights == "float32" and default.head is not whole.head
+    assert make_drafter("respec", ds, head=str(path), head_weights="float32").head is whole.head  # cached per form
+    if default.head.dtype == torch.float32:  # on CPUs with AVX-512 BF16 the head computes in bf16 anyway
+        assert torch.equal(default.head.infer["out"].weight, default.head.infer["out"].weight.bfloat16().float())
+        assert not torch.equal(whole.head.infer["out"].weight, whole.head.infer["out"].weight.bfloat16().float())
+    for prompt, expected in list(ar.items())[:2]:
+        assert generate(loaded.model, loaded.tokenizer, prompt, default, max_new_tokens=len(expected)).token_ids == expected
+    with pytest.raises(ValueError, match="head_weights must be bf16 or float32"):
+        make_drafter("respec", ds, head=str(path), head_weights="int8")
+    assert CONFIG_FLAGS["head_weights"] == "--head-weights"
+
+
 def test_the_heads_probability_of_each_first_draft_token_is_its_signal(head_setup):
     """With a head, every first draft token (whatever its source) gets the head's probability as
     its prior and, binned, a calibration cell of its own; deeper nodes keep the score's prior.

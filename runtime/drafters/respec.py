@@ -157,6 +157,10 @@ class ReSpecConfig:
     # the CPU kernel has it): right after a verification the guess waits on memory for its
     # weights while the search is Python
     head_thread: bool = True
+    # how a head computing in float32 (CPUs without AVX-512 BF16) holds its three weights: "bf16"
+    # (half the bytes its guess waits for right after a verification; the tune splits' MAT the
+    # same, BENCHMARKS.md, thirty-sixth session) or "float32"
+    head_weights: str = "bf16"
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -180,6 +184,8 @@ class ReSpecConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cost_signal not in ("full", "source"):
             raise ValueError(f"cost_signal must be full or source, got {self.cost_signal!r}")
+        if self.head_weights not in ("bf16", "float32"):
+            raise ValueError(f"head_weights must be bf16 or float32, got {self.head_weights!r}")
 
 
 def entropy(logits: torch.Tensor) -> float:
@@ -224,7 +230,7 @@ class ReSpecDrafter:
         self.num_retrieved_steps = 0  # steps whose tree came from qualifying candidates
         self.num_fallback_steps = 0
         self.resync: list[Candidate] = []  # the next step's resync candidates (observe)
-        self.head = load_head(self.config.head, datastore) if self.config.head_guesses else None
+        self.head = load_head(self.config.head, datastore, self.config.head_weights) if self.config.head_guesses else None
         self.head_steps = self.head_accepted = 0  # steps that drafted a head guess; those that took one
         self.head_probs: np.ndarray | None = None  # the head's distribution this step (head_candidates)
         self._workspace = tree_kernel.Workspace()  # the kernel's buffers (_trie)
@@ -483,9 +489,10 @@ def resync_candidates(drafts, committed: list[int], bonus: int) -> list[Candidat
     return out
 
 
-def load_head(head: str, datastore):
+def load_head(head: str, datastore, weights: str | None = None):
     """The draft head ReSpecConfig.head names, checked against the datastore's model; None for
-    "off", or for "auto" where no head was trained for that model."""
+    "off", or for "auto" where no head was trained for that model. ``weights``: how a float32
+    head holds its weights (ReSpecConfig.head_weights; None: draft_head.WEIGHTS)."""
     from specstore.runtime.draft_head import DraftHead, default_path
 
     if head in ("off", "none", ""):
@@ -495,8 +502,8 @@ def load_head(head: str, datastore):
         if model is None:
             return None
         path = default_path(model.revision)
-        return DraftHead.cached(path, expect=model) if path.is_file() else None
-    return DraftHead.cached(head, expect=model)
+        return DraftHead.cached(path, expect=model, weights=weights) if path.is_file() else None
+    return DraftHead.cached(head, expect=model, weights=weights)
 
 
 def create(datastore=None, fallback=None, draft_model=None, pool: dict | None = None, overlay=None,

@@ -24,6 +24,7 @@ CONFIG_FLAGS = {
     "head": "--head",
     "head_guesses": "--head-guesses",
     "head_signal": "--head-signal",
+    "head_weights": "--head-weights",
 }
 OTHER_FLAGS = {"relaxed": "--relaxed", "draft_model": "--draft-model", "draft_tokens": "--draft-tokens"}
 DEFAULT_DRAFT_TOKENS = 4
@@ -46,6 +47,9 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head-signal", default=None, choices=["on", "off"],
                    help="the head's probability of every first draft token guides the cost-aware pruning (default on; "
                    "off: only its own guesses use it)")
+    g.add_argument("--head-weights", default=None, choices=["bf16", "float32"],
+                   help="how a head computing in float32 (CPUs without AVX-512 BF16) holds its weights: bf16 (default; half "
+                   "the bytes each guess reads, the same guesses but for rounding) or float32")
     g.add_argument("--relaxed", default=None, choices=["on", "off"], help="relaxed verification of retrieved drafts (on is lossy; default off)")
     g.add_argument("--relaxed-top-k", type=int, default=None, metavar="K", help="a relaxed token must be in the target's top K (default 3)")
     g.add_argument("--relaxed-ratio", type=float, default=None, metavar="R", help="and have probability >= R x the top token's (default 0.3)")
