@@ -231,6 +231,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if lib.head_f32:
         lib.specstore_head_beside_f32.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, p, p, i32]
         lib.specstore_head_beside_f32.restype = i32
+    lib.argmax_f32 = bool(lib.specstore_gemm_features() & 1024)
+    if lib.argmax_f32:
+        lib.specstore_argmax_f32.argtypes = [p, i64]
+        lib.specstore_argmax_f32.restype = i64
     lib.entropy_f32 = bool(lib.specstore_gemm_features() & 512)
     if lib.entropy_f32:
         lib.specstore_entropy_f32.argtypes = [p, i64]
@@ -616,13 +620,18 @@ def context_matches(tokens: np.ndarray, max_ngram: int, min_ngram: int, cap: int
 
 
 def argmax(logits: torch.Tensor) -> int | None:
-    """The index of the first largest of 1-D contiguous bf16 CPU logits in one kernel call
-    (specstore_argmax_bf16: torch's argmax, first maximum, without a float32 copy); None where a
-    logit is NaN (torch takes NaN as the largest) or the kernel does not take them."""
-    if (logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 1
-            or not logits.is_contiguous() or not has_elementwise()):
+    """The index of the first largest of 1-D contiguous bf16 or float32 CPU logits in one kernel
+    call (specstore_argmax_bf16, specstore_argmax_f32: torch's argmax, first maximum, without a
+    copy); None where a logit is NaN (torch takes NaN as the largest) or the kernel does not take
+    them (bf16 needs AVX-512)."""
+    if logits.device.type != "cpu" or logits.dim() != 1 or not logits.is_contiguous():
         return None
-    found = _lib.specstore_argmax_bf16(logits.data_ptr(), logits.shape[0])
+    if logits.dtype == torch.bfloat16 and has_elementwise():
+        found = _lib.specstore_argmax_bf16(logits.data_ptr(), logits.shape[0])
+    elif logits.dtype == torch.float32 and getattr(library(), "argmax_f32", False):
+        found = _lib.specstore_argmax_f32(logits.data_ptr(), logits.shape[0])
+    else:
+        return None
     return int(found) if found >= 0 else None
 
 

@@ -106,7 +106,7 @@ def accept(logits: torch.Tensor, tree: DraftTree, sampling: Sampling) -> tuple[l
         # a tree's other rows are never read, and each row's conversion and argmax cost as much
         # as a whole row's share of one batched argmax
         while True:
-            choice = gemm.argmax(logits[row])  # bf16 on the CPU: one kernel call
+            choice = gemm.argmax(logits[row])  # bf16 or float32 on the CPU: one kernel call
             if choice is None:
                 choice = int(greedy_choice(logits[row]))
             nxt = next((c for c in children[row] if tokens[c] == choice), None)
@@ -136,7 +136,7 @@ def accept(logits: torch.Tensor, tree: DraftTree, sampling: Sampling) -> tuple[l
 def pick(logits: torch.Tensor, sampling: Sampling) -> int:
     """The next token from [V] logits with no draft: argmax, or a draw from the warped distribution."""
     if sampling.greedy:
-        choice = gemm.argmax(logits)  # bf16 on the CPU: one kernel call, as greedy acceptance
+        choice = gemm.argmax(logits)  # bf16 or float32 on the CPU: one kernel call, as greedy acceptance
         return int(greedy_choice(logits)) if choice is None else choice
     return _draw(target_probs(logits, sampling), sampling.generator)
 

@@ -487,27 +487,35 @@ def test_dense_rerank_is_the_numpy_rerank_of_an_approximate_index(kind):
     assert gemm.dense_rerank(np.zeros(4, np.float32), np.ones(4, np.float32), rows, ids, gemm.DENSE_MAX_K + 1) is None
 
 
-@pytest.mark.skipif(not gemm.has_elementwise(), reason="the kernel has no bf16 elementwise functions here")
-def test_argmax_is_torchs_first_maximum_and_leaves_nan_to_torch():
-    """gemm.argmax (greedy acceptance's argmax of a bf16 row in one call) equals torch's argmax:
-    the first of tied maxima, at any length (tails past 16 lanes), -inf entries; None for NaN
-    (torch takes NaN as the largest) and for what it does not take."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_torchs_first_maximum_and_leaves_nan_to_torch(dtype):
+    """gemm.argmax (greedy acceptance's argmax of a row in one call: bf16 where the CPU has
+    AVX-512, float32 wherever the kernel loads) equals torch's argmax: the first of tied maxima,
+    at any length (tails past 8 and 16 lanes), -inf and +inf entries; None for NaN (torch takes
+    NaN as the largest) and for what it does not take."""
+    if not (gemm.has_elementwise() if dtype == torch.bfloat16 else getattr(gemm.library(), "argmax_f32", False)):
+        pytest.skip(f"the kernel has no {dtype} argmax here")
     rng = np.random.default_rng(2)
-    for n in (1, 5, 16, 17, 49152, 49159):
+    for n in (1, 5, 7, 8, 9, 16, 17, 49152, 49159):
         for _ in range(20):
-            x = torch.from_numpy(rng.normal(size=n).astype(np.float32)).bfloat16()
+            x = torch.from_numpy(rng.normal(size=n).astype(np.float32)).to(dtype)
             if n > 3:  # ties: bf16 rounding makes some; force the maximum twice, far apart
                 top = x.max()
                 x[int(rng.integers(0, n))] = top
                 x[int(rng.integers(0, n))] = top
                 x[int(rng.integers(0, n))] = float("-inf")
             assert gemm.argmax(x) == int(x.argmax())
-    assert gemm.argmax(torch.full((40,), float("-inf")).bfloat16()) == 0
-    x = torch.zeros(40).bfloat16()
-    x[7] = float("nan")
-    assert gemm.argmax(x) is None and gemm.argmax(torch.zeros(33).bfloat16()[-1:0]) is None
-    assert gemm.argmax(torch.zeros(2, 40).bfloat16()[:, 0]) is None  # not contiguous
-    assert gemm.argmax(torch.zeros(40)) is None  # float32: torch's own
+    assert gemm.argmax(torch.full((40,), float("-inf")).to(dtype)) == 0
+    x = torch.zeros(41).to(dtype)
+    x[[5, 30]] = float("inf")
+    assert gemm.argmax(x) == 5
+    for at in (7, 40):  # in the vector part and in the tail
+        x = torch.zeros(41).to(dtype)
+        x[at] = float("nan")
+        assert gemm.argmax(x) is None
+    assert gemm.argmax(torch.zeros(33).to(dtype)[-1:0]) is None
+    assert gemm.argmax(torch.zeros(2, 40).to(dtype)[:, 0]) is None  # not contiguous
+    assert gemm.argmax(torch.zeros(40).double()) is None  # float64: torch's own
 
 
 @needs_kernel

@@ -927,6 +927,45 @@ int specstore_decoder_f32(int64_t layers, int64_t rows, int64_t hidden, int64_t 
     return code;
 }
 
+/* The index of the first largest of n float32 logits (greedy acceptance and plain decoding's
+ * pick, runtime/sampling.py; the bf16 twin is specstore_argmax_bf16): -1 where one is NaN or n is
+ * 0 or past 2^31 (torch's argmax, which the caller then runs, takes NaN as the largest). One pass:
+ * each lane keeps its largest and where it first came (a later equal value does not replace it),
+ * then the lanes' largest, the lowest place among the lanes that hold it, then the tail. */
+int64_t specstore_argmax_f32(const float *x, int64_t n) {
+    if (n <= 0 || n > INT32_MAX) return -1;
+    const int64_t n8 = n - n % F32_LANES;
+    float best = x[0];
+    int64_t arg = 0;
+    if (n8) {
+        __m256 top = _mm256_loadu_ps(x), bad = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), here = at;
+        const __m256i step = _mm256_set1_epi32(F32_LANES);
+        for (int64_t i = F32_LANES; i < n8; i += F32_LANES) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            here = _mm256_add_epi32(here, step);
+            const __m256 gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+            top = _mm256_blendv_ps(top, v, gt);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(here), gt));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        if (_mm256_movemask_ps(bad)) return -1;
+        float l[8];
+        int32_t a[8];
+        _mm256_storeu_ps(l, top);
+        _mm256_storeu_si256((__m256i *)a, at);
+        best = l[0], arg = a[0];
+        for (int j = 1; j < 8; j++)
+            if (l[j] > best || (l[j] == best && a[j] < arg)) best = l[j], arg = a[j];
+    }
+    for (int64_t i = n8 ? n8 : 1; i < n; i++) {
+        if (x[i] != x[i]) return -1;
+        if (x[i] > best) best = x[i], arg = i;
+    }
+    if (best != best) return -1; /* x[0] NaN with no vector part */
+    return arg;
+}
+
 /* Entropy in nats of softmax(x [n]) for float32 logits (runtime/drafters/respec.py: entropy; the
  * bf16 twin is specstore_entropy_bf16): two passes, the max, then H = log Z - (sum e d) / Z with
  * d = x - max clamped at -100 and e = e^d (exp8_ps), summed in 8 lanes. NaN where a logit is NaN
@@ -1111,7 +1150,7 @@ int64_t specstore_dense_rerank(const float *query, const float *scales, int64_t 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MRD 12 /* rows per register block: 12 accumulators, a weight register, a broadcast */
 
-int specstore_gemm_features(void) { return 1023; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack, 512: float32 entropy */
+int specstore_gemm_features(void) { return 2047; } /* 1: bf16 dot products, 2: attention, 4: norm and MLP gate, 8: dense search, 16: rotary, 32: draft head, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack, 512: float32 entropy, 1024: float32 argmax */
 
 static inline __attribute__((always_inline)) void block_dp(const int M, const uint16_t *x, int64_t ldx,
                                                            const uint16_t *panel, int64_t k0, int64_t k1, float *acc) {
@@ -1732,5 +1771,5 @@ int specstore_head_beside(beside_fn beside, const uint16_t *h, const uint16_t *p
     return 0;
 }
 #else
-int specstore_gemm_features(void) { return 968; } /* 8: dense search, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack, 512: float32 entropy (the rest needs AVX-512 BF16) */
+int specstore_gemm_features(void) { return 1992; } /* 8: dense search, 64: float32 draft head, 128: float32 attention, 256: float32 decoder stack, 512: float32 entropy, 1024: float32 argmax (the rest needs AVX-512 BF16) */
 #endif
