@@ -54,7 +54,8 @@ from specstore.runtime.errors import SpecstoreError
 
 FORMAT = "specstore-draft-head/1"
 MAX_LOADED = 4  # heads kept loaded per process (DraftHead.cached)
-WEIGHTS = "bf16"  # how a float32 head holds its three weights (DraftHead; module doc)
+WEIGHT_FORMS = ("bf16", "float32")  # how a float32 head may hold its three weights (DraftHead; module doc)
+WEIGHTS = "bf16"  # ... and does by default
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "out.weight", "embed.weight", "vocab")
 
 
@@ -98,7 +99,7 @@ class DraftHead:
     def __init__(self, net: HeadNet, vocab: np.ndarray, info: HeadInfo, vocab_size: int | None = None,
                  dtype: torch.dtype | None = None, weights: str | None = None):
         self.weights = WEIGHTS if weights is None else weights
-        if self.weights not in ("float32", "bf16"):
+        if self.weights not in WEIGHT_FORMS:
             raise ValueError(f"a draft head's weights are float32 or bf16, not {self.weights!r}")
         self.net = net.eval()
         self.vocab = np.asarray(vocab, dtype=np.int64)
@@ -128,8 +129,10 @@ class DraftHead:
         self.infer = self.infer.to(dtype).eval()
         for p in self.infer.parameters():
             p.requires_grad_(False)
-        if dtype == torch.float32 and self.weights == "bf16":  # every path computes with the rounded weights
-            for name in ("fc1h", "fc2", "out"):
+        names = ("fc1h", "fc2", "out")
+        narrow = dtype == torch.float32 and self.weights == "bf16"
+        if narrow:  # every path computes with the rounded weights
+            for name in names:
                 weight = self.infer[name].weight
                 weight.copy_(weight.to(torch.bfloat16).float())
         self.pending_rows = pending.to(dtype)
@@ -142,11 +145,8 @@ class DraftHead:
 
         if gemm.has_head(dtype=dtype) and (dtype == torch.float32 or (hidden % 2 == 0 and w1.shape[0] % 2 == 0)):
             f = self.infer
-            names = ("fc1h", "fc2", "out")
-            if dtype == torch.float32 and self.weights == "bf16":
-                fc1, fc2, out = (gemm.pack(f[name].weight.to(torch.bfloat16), pairs=False) for name in names)
-            else:
-                fc1, fc2, out = (gemm.pack(f[name].weight) for name in names)
+            fc1, fc2, out = (gemm.pack(f[name].weight.to(torch.bfloat16), pairs=False) if narrow else gemm.pack(f[name].weight)
+                             for name in names)
             self._kernel = (fc1, fc2, f["fc2"].bias.contiguous(), out)
 
     @classmethod

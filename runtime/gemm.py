@@ -626,10 +626,11 @@ def argmax(logits: torch.Tensor) -> int | None:
     them (bf16 needs AVX-512)."""
     if logits.device.type != "cpu" or logits.dim() != 1 or not logits.is_contiguous():
         return None
-    if logits.dtype == torch.bfloat16 and has_elementwise():
-        found = _lib.specstore_argmax_bf16(logits.data_ptr(), logits.shape[0])
-    elif logits.dtype == torch.float32 and getattr(library(), "argmax_f32", False):
-        found = _lib.specstore_argmax_f32(logits.data_ptr(), logits.shape[0])
+    lib = library()
+    if logits.dtype == torch.bfloat16 and getattr(lib, "elementwise", False):
+        found = lib.specstore_argmax_bf16(logits.data_ptr(), logits.shape[0])
+    elif logits.dtype == torch.float32 and getattr(lib, "argmax_f32", False):
+        found = lib.specstore_argmax_f32(logits.data_ptr(), logits.shape[0])
     else:
         return None
     return int(found) if found >= 0 else None
@@ -643,9 +644,9 @@ def entropy(logits: torch.Tensor) -> float | None:
     if logits.device.type != "cpu" or logits.dim() != 1 or not logits.is_contiguous():
         return None
     lib = library()
-    if logits.dtype == torch.bfloat16 and has_attention(lib):
+    if logits.dtype == torch.bfloat16 and getattr(lib, "attention", False):
         return float(lib.specstore_entropy_bf16(logits.data_ptr(), logits.shape[0]))
-    if logits.dtype == torch.float32 and lib is not None and getattr(lib, "entropy_f32", False):
+    if logits.dtype == torch.float32 and getattr(lib, "entropy_f32", False):
         return float(lib.specstore_entropy_f32(logits.data_ptr(), logits.shape[0]))
     return None
 

@@ -81,6 +81,8 @@ import numpy as np
 import torch
 
 from specstore.runtime import gemm, tree_kernel
+from specstore.runtime.draft_head import WEIGHT_FORMS as HEAD_WEIGHT_FORMS
+from specstore.runtime.draft_head import WEIGHTS as HEAD_WEIGHTS
 from specstore.runtime.drafters.base import DecodeState, Drafter
 from specstore.runtime.drafters.pld import PromptLookupDrafter
 from specstore.runtime.drafters.respec_pool import POOL_SWITCHES, Candidate, CandidatePool, PoolConfig
@@ -160,7 +162,7 @@ class ReSpecConfig:
     # how a head computing in float32 (CPUs without AVX-512 BF16) holds its three weights: "bf16"
     # (half the bytes its guess waits for right after a verification; the tune splits' MAT the
     # same, BENCHMARKS.md, thirty-sixth session) or "float32"
-    head_weights: str = "bf16"
+    head_weights: str = HEAD_WEIGHTS
     relaxed: bool = False  # lossy relaxed verification of retrieved drafts
     relaxed_top_k: int = 3
     relaxed_ratio: float = 0.3
@@ -184,8 +186,8 @@ class ReSpecConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cost_signal not in ("full", "source"):
             raise ValueError(f"cost_signal must be full or source, got {self.cost_signal!r}")
-        if self.head_weights not in ("bf16", "float32"):
-            raise ValueError(f"head_weights must be bf16 or float32, got {self.head_weights!r}")
+        if self.head_weights not in HEAD_WEIGHT_FORMS:
+            raise ValueError(f"head_weights must be {' or '.join(HEAD_WEIGHT_FORMS)}, got {self.head_weights!r}")
 
 
 def entropy(logits: torch.Tensor) -> float:
