@@ -12,8 +12,11 @@ writes and SiLU gate between them in C.
 
 Owns ``KernelForward``: built once per model from its weights (``KernelForward.of(model)``, kept
 for the model's life and rebuilt when a weight changes), called by the verifier (verify.py) for every
-forward of up to ``MAX_ROWS`` tokens on a cache whose layers grow in place (kv_cache.py); a
-prompt's prefill and everything the kernel does not take go through the modules as before. It
+forward of up to ``MAX_ROWS`` tokens on a cache whose layers grow in place (kv_cache.py), and for
+a prompt's prefill (``prefill``: calls of up to ``MAX_ROWS`` tokens, each causal within itself and
+after the earlier ones, the output head over the last token only; through the modules a prefill
+ran every module and torch op of the 30 layers and the output head over all its rows);
+everything the kernel does not take goes through the modules as before. It
 takes a model where ``reason(model)`` is None: float32 on the CPU, the kernel built, a Llama,
 Mistral or Qwen2 decoder of full-attention layers with a SiLU-gated MLP, RMS norms, rotary
 positions over the whole head and logits that are the output head's product, every linear on
@@ -24,8 +27,9 @@ the modules' own packed copies become views of the stack, so no weight is held t
 Numbers: every row's result depends only on that row and the cache (as in the module path), so
 plain decoding and every verification still agree bit for bit. The norms, SiLU and rotary
 embedding round as float32 arithmetic does, not always as torch's ops do: logits agree with
-the module path's to rounding (tests/test_kernel_forward.py), and a prompt's prefill (the
-modules) and the steps after it (the kernel) fill one cache. ``SPECSTORE_KERNEL_FORWARD=0``
+the module path's to rounding (tests/test_kernel_forward.py); a prompt's prefill through the
+modules (where the kernel does not take the cache) and the steps after it through the kernel
+fill one cache all the same. ``SPECSTORE_KERNEL_FORWARD=0``
 keeps every forward on the modules (for comparisons).
 """
 
@@ -190,17 +194,50 @@ class KernelForward:
     @staticmethod
     def takes(cache, rows: int) -> bool:
         """Whether a forward of ``rows`` tokens on ``cache`` can run here: up to ``MAX_ROWS``, every
-        layer a ``GrowingLayer`` owning its buffers (after a prefill through the modules)."""
+        layer a ``GrowingLayer`` owning its buffers (after a prefill, ``prefill`` or the modules')."""
         if rows < 1 or rows > MAX_ROWS:
             return False
         return all(type(layer) is GrowingLayer and layer.__dict__.get("_own") for layer in cache.layers)
 
+    def start(self, cache, rows: int) -> bool:
+        """Give an empty cache's layers buffers of room for ``rows`` that the kernel writes (a
+        prompt's prefill in kernel calls, ``prefill``): True where every layer is a ``GrowingLayer``
+        holding nothing yet and now owning them; False, with the cache untouched, otherwise."""
+        layers = cache.layers
+        if len(layers) != self.layers or any(type(layer) is not GrowingLayer or layer.get_seq_length() for layer in layers):
+            return False
+        empty = torch.empty((1, self.kv_heads, 0, self.dim), dtype=torch.float32)
+        for layer in layers:
+            layer.update(empty, empty)  # owned buffers of the layer's shape, nothing cached
+            layer.reserve(rows)
+        return True
+
+    def prefill(self, tokens: list[int], cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A prompt's forward on an empty cache in kernel calls of up to ``MAX_ROWS`` tokens each,
+        of as equal sizes as that allows (causal within each, after every earlier row): the last
+        token's logits [V] and the last call's hidden states [rows, H]; None, with the cache
+        untouched, where the cache is not an empty one of ``GrowingLayer``s (the modules' way then)."""
+        if not tokens or not self.start(cache, len(tokens)):
+            return None
+        logits = hidden = None
+        calls = -(-len(tokens) // MAX_ROWS)  # of as equal sizes as that allows: 73 tokens as 37 + 36, not 72 + 1
+        bounds = [len(tokens) * i // calls for i in range(calls + 1)]
+        for at, end in zip(bounds, bounds[1:], strict=False):
+            chunk = tokens[at:end]
+            rows = len(chunk)
+            positions = torch.arange(at, at + rows, dtype=torch.long).unsqueeze(0)
+            mask = torch.zeros((1, 1, rows, at + rows), dtype=torch.float32)
+            mask[0, 0, :, at:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+            logits, hidden = self(chunk, cache, positions, mask, last=1)
+        return logits[0], hidden
+
     def __call__(self, tokens: list[int], cache, positions: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor | None = None, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [rows, V] and last hidden states [rows, H] of ``tokens`` after ``cache``'s rows,
         which grows by them (``takes`` must hold). ``positions`` [1, rows] and ``mask`` [1, 1, rows,
         cached + rows] (additive, float32) as verify.tree_attention_inputs gives them; None for a
-        plain step's one token (the next position, every key)."""
+        plain step's one token (the next position, every key). ``last``: logits of the last
+        ``last`` rows only (a prompt's prefill needs its last token's), [last, V]."""
         rows = len(tokens)
         layers = cache.layers
         cached = layers[0].__dict__["_length"]
@@ -241,5 +278,5 @@ class KernelForward:
             raise ValueError(f"small_gemm: the decoder refused its shapes ({code})")
         for layer in layers:
             layer.advance(rows)
-        logits = gemm.linear(hidden, self.head_panel, self.head_bias, self.vocab)
+        logits = gemm.linear(hidden if last is None else hidden[rows - last:], self.head_panel, self.head_bias, self.vocab)
         return logits, hidden

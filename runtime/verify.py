@@ -176,6 +176,10 @@ class TreeVerifier:
     def prefill(self, prompt_ids: list[int]) -> Prefill:
         """Run the prompt; its last token's logits choose the first generated token (the bonus)."""
         assert self.num_cached == 0, "prefill runs once per request"
+        done = self.kernel_forward.prefill(prompt_ids, self.cache) if self.kernel_forward is not None else None
+        if done is not None:  # in kernel calls (kernel_forward.py)
+            last, hidden = done
+            return Prefill(pick(last, self.sampling), hidden[-1], last)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, hidden = self._forward(ids, self.cache, logits_to_keep=1)
         last = logits[0, -1]

@@ -95,6 +95,45 @@ def test_logits_and_cache_agree_with_the_modules(family, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("family", TAKEN)
+@pytest.mark.parametrize("size", [1, 17, kernel_forward.MAX_ROWS, kernel_forward.MAX_ROWS + 1, 2 * kernel_forward.MAX_ROWS + 9])
+def test_prefill_in_kernel_calls_agrees_with_the_modules(family, size, monkeypatch):
+    """A prompt's prefill in kernel calls of up to MAX_ROWS tokens (one call, or chunks that
+    attend to the earlier ones): the modules' first token, last logits, hidden state and cache to
+    rounding, and plain steps after it the bits of plain steps after a one-call prefill."""
+    model, _ = tiny_lm(family)
+    rng = np.random.default_rng(size)
+    prompt = rng.integers(3, model.config.vocab_size, size=size).tolist()
+    ours, theirs = _verifier(model, True, monkeypatch), _verifier(model, False, monkeypatch)
+    a, b = ours.prefill(prompt), theirs.prefill(prompt)
+    assert a.bonus == b.bonus
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.logits, _module_logits(model, prompt)[-1], atol=1e-4, rtol=1e-4)
+    assert ours.num_cached == theirs.num_cached == size
+    for x, y in zip(ours.cache.layers, theirs.cache.layers, strict=True):
+        assert x.__dict__.get("_own")  # the kernel's buffers, which its steps then write
+        torch.testing.assert_close(x.keys, y.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(x.values, y.values, atol=1e-5, rtol=1e-4)
+    logits, _ = ours.tree_logits(a.bonus, DraftTree.empty())
+    torch.testing.assert_close(logits[0], _module_logits(model, prompt + [a.bonus])[-1], atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_prefill_takes_the_modules_where_the_cache_is_not_an_empty_growing_one(monkeypatch):
+    from transformers import DynamicCache
+
+    model, _ = tiny_lm("llama")
+    made = _verifier(model, True, monkeypatch).kernel_forward
+    prompt = list(range(30, 45))
+    assert made.prefill(prompt, DynamicCache(config=model.config)) is None  # transformers' own layers
+    used = _verifier(model, True, monkeypatch)
+    used.prefill(prompt)
+    assert made.prefill(prompt, used.cache) is None and used.num_cached == len(prompt)  # untouched
+    assert made.prefill([], _verifier(model, True, monkeypatch).cache) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", TAKEN)
 def test_each_tree_row_has_the_bits_of_a_plain_step(family, monkeypatch):
     """A verification's rows against plain decoding through the same kernel, token by token:
     equal bits, with the path as a tree's second branch and masked padding rows after it."""
