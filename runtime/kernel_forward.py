@@ -36,6 +36,7 @@ keeps every forward on the modules (for comparisons).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import weakref
 
@@ -215,21 +216,21 @@ class KernelForward:
     def prefill(self, tokens: list[int], cache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A prompt's forward on an empty cache in kernel calls of up to ``MAX_ROWS`` tokens each,
         of as equal sizes as that allows (causal within each, after every earlier row): the last
-        token's logits [V] and the last call's hidden states [rows, H]; None, with the cache
-        untouched, where the cache is not an empty one of ``GrowingLayer``s (the modules' way then)."""
+        token's logits [V] and last hidden state [H]; None, with the cache untouched, where the cache
+        is not an empty one of ``GrowingLayer``s (the modules' way then)."""
         if not tokens or not self.start(cache, len(tokens)):
             return None
         logits = hidden = None
         calls = -(-len(tokens) // MAX_ROWS)  # of as equal sizes as that allows: 73 tokens as 37 + 36, not 72 + 1
         bounds = [len(tokens) * i // calls for i in range(calls + 1)]
-        for at, end in zip(bounds, bounds[1:], strict=False):
+        for at, end in itertools.pairwise(bounds):
             chunk = tokens[at:end]
             rows = len(chunk)
             positions = torch.arange(at, at + rows, dtype=torch.long).unsqueeze(0)
             mask = torch.zeros((1, 1, rows, at + rows), dtype=torch.float32)
             mask[0, 0, :, at:].masked_fill_(torch.ones(rows, rows, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
             logits, hidden = self(chunk, cache, positions, mask, last=1)
-        return logits[0], hidden
+        return logits[0], hidden[-1]
 
     def __call__(self, tokens: list[int], cache, positions: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

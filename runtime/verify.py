@@ -179,7 +179,7 @@ class TreeVerifier:
         done = self.kernel_forward.prefill(prompt_ids, self.cache) if self.kernel_forward is not None else None
         if done is not None:  # in kernel calls (kernel_forward.py)
             last, hidden = done
-            return Prefill(pick(last, self.sampling), hidden[-1], last)
+            return Prefill(pick(last, self.sampling), hidden, last)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits, hidden = self._forward(ids, self.cache, logits_to_keep=1)
         last = logits[0, -1]

@@ -99,7 +99,7 @@ def test_logits_and_cache_agree_with_the_modules(family, monkeypatch):
 def test_prefill_in_kernel_calls_agrees_with_the_modules(family, size, monkeypatch):
     """A prompt's prefill in kernel calls of up to MAX_ROWS tokens (one call, or chunks that
     attend to the earlier ones): the modules' first token, last logits, hidden state and cache to
-    rounding, and plain steps after it the bits of plain steps after a one-call prefill."""
+    rounding, and a plain step after it through the kernel the modules' logits to rounding."""
     model, _ = tiny_lm(family)
     rng = np.random.default_rng(size)
     prompt = rng.integers(3, model.config.vocab_size, size=size).tolist()
