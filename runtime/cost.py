@@ -79,8 +79,9 @@ VERSION = 4
 # 14: bf16 rotary embedding in the kernel, fused.py; 15: float32 attention in the kernel, csrc/small_gemm.c;
 # 16: its keys scored a row at a time and its values summed in blocks, 14-32% faster a layer;
 # 17: float32 steps of Llama-style models through the kernel's layer stack in one call, kernel_forward.py;
-# 18: float32 prefills through it too, in calls of up to gemm.MAX_ROWS tokens: the table's prefill times)
-VERIFIER_REVISION = 18
+# 18: float32 prefills through it too, in calls of up to gemm.MAX_ROWS tokens: the table's prefill times;
+# 19: the float32 SiLU gate in the gate/up product's threads, on its outputs in L1, csrc/small_gemm.c)
+VERIFIER_REVISION = 19
 # a tree is verified as a larger one (padded with masked rows, CostModel.padded_nodes) only where
 # the table says the larger forward is at least this much cheaper: kernels that are slow at a
 # few rows (float32 matmuls of 2-3 rows on some CPUs), not the noise of single medians

@@ -865,6 +865,50 @@ static inline void rope_row_f32(const float *x, const float *c, const float *s, 
     }
 }
 
+/* mid [m, inter] = silu(x W_gate^T + b_gate) (x W_up^T + b_up) for a stacked gate/up panel (the gate's
+ * inter outputs, then the up projection's; inter a multiple of NB, so each panel is one or the
+ * other): the gate's panel b and the up projection's panel b are worked by one thread, one after
+ * the other as ``product`` works a panel (the same sums in the same order: the same bits), and
+ * their 16 outputs a row go through the SiLU gate while they are in L1 (silu_mul_f32's arithmetic
+ * on each value: the same bits), both threads sharing it. */
+static void product_glu_f32(const float *x, int64_t m, const float *panel, const float *bias, float *mid, int64_t inter,
+                            int64_t k, int threads) {
+    const int64_t pairs = inter / NB;
+    const size_t panel_bytes = (size_t)k * NB * sizeof(float);
+    const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t b = 0; b < pairs; b++) {
+        float acc[2][GROUP * NB];
+        for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
+            int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
+            int sizes[GROUP];
+            const int64_t tiles = split_rows(g, MR, sizes);
+            for (int half = 0; half < 2; half++) {
+                const char *p = (const char *)panel + (b + half * pairs) * panel_bytes;
+                for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                    int64_t k1 = k - k0 < KC ? k : k0 + KC;
+                    for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
+                        BLOCK_F32[sizes[t]](x + (g0 + row) * k, k, p, k0, k1, acc[half] + row * NB);
+                }
+            }
+            for (int64_t r = 0; r < g; r++) {
+                float *gate = acc[0] + r * NB, *up = acc[1] + r * NB;
+                if (bias)
+                    for (int j = 0; j < NB; j++) {
+                        gate[j] += bias[b * NB + j];
+                        up[j] += bias[inter + b * NB + j];
+                    }
+                float *o = mid + (g0 + r) * inter + b * NB;
+                for (int j = 0; j < NB; j += F32_LANES) {
+                    const __m256 val = _mm256_loadu_ps(gate + j);
+                    const __m256 act = _mm256_div_ps(val, _mm256_add_ps(one, exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), val))));
+                    _mm256_storeu_ps(o + j, _mm256_mul_ps(act, _mm256_loadu_ps(up + j)));
+                }
+            }
+        }
+    }
+}
+
 /* Each row of qkv [rows, (heads + 2 kv_heads) dim] (query heads, then key heads, then value
  * heads): the queries rotated into q [heads, rows, dim]; the keys rotated and the values copied
  * into the cache, row ``at + r`` of each key/value head (k, v: head h's rows at + h head_stride).
@@ -918,8 +962,12 @@ int specstore_decoder_f32(int64_t layers, int64_t rows, int64_t hidden, int64_t 
                                        mask, mask_stride, scale, att, threads);
         specstore_linear_f32(att, rows, o[l], o_bias ? o_bias[l] : 0, delta, hidden, qn, threads);
         add_rmsnorm_f32(x, delta, norm_post[l], h, rows, hidden, eps);
-        specstore_linear_f32(h, rows, gate_up[l], gate_up_bias ? gate_up_bias[l] : 0, gu, 2 * inter, hidden, threads);
-        silu_mul_f32(gu, mid, rows, inter);
+        if (inter % NB == 0) { /* the gate in the product's threads, on its outputs in L1 */
+            product_glu_f32(h, rows, gate_up[l], gate_up_bias ? gate_up_bias[l] : 0, mid, inter, hidden, threads);
+        } else {
+            specstore_linear_f32(h, rows, gate_up[l], gate_up_bias ? gate_up_bias[l] : 0, gu, 2 * inter, hidden, threads);
+            silu_mul_f32(gu, mid, rows, inter);
+        }
         specstore_linear_f32(mid, rows, down[l], down_bias ? down_bias[l] : 0, delta, hidden, inter, threads);
     }
     if (!code) add_rmsnorm_f32(x, layers ? delta : 0, norm_final, out, rows, hidden, eps);
