@@ -134,6 +134,18 @@ static inline int64_t split_rows(int64_t g, int mr, int *sizes) {
     return tiles;
 }
 
+/* One panel's sums for a group of rows (x: its first row, row_bytes apart, k elements each) in its
+ * register blocks (``tiles`` of ``sizes`` rows), the blocks taking turns over KC panel rows at a
+ * time (``product``'s doc); each block's sums wait in acc [rows][NB] between turns. */
+static inline void panel_sums(const block_fn *blocks_of, const char *x, size_t row_bytes, int64_t k, const void *p,
+                              int64_t steps, const int *sizes, int64_t tiles, float *acc) {
+    for (int64_t k0 = 0; k0 < steps; k0 += KC) {
+        int64_t k1 = steps - k0 < KC ? steps : k0 + KC;
+        for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
+            blocks_of[sizes[t]](x + row * row_bytes, k, p, k0, k1, acc + row * NB);
+    }
+}
+
 /* out [m, n] = x [m, k] W^T (+ bias). Panels are split between threads. Within a panel, up to
  * GROUP rows at a time: register blocks of as equal sizes as ``mr`` allows (9 rows, mr 6: 5 + 4,
  * not 6 + 3), which take turns over KC panel rows at a time, so that the panel is read from
@@ -154,11 +166,7 @@ static void product(const block_fn *blocks_of, int mr, int bf16, const void *x, 
             int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
             int sizes[GROUP];
             const int64_t tiles = split_rows(g, mr, sizes);
-            for (int64_t k0 = 0; k0 < steps; k0 += KC) {
-                int64_t k1 = steps - k0 < KC ? steps : k0 + KC;
-                for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
-                    blocks_of[sizes[t]]((const char *)x + (g0 + row) * k * xbytes, k, p, k0, k1, acc + row * NB);
-            }
+            panel_sums(blocks_of, (const char *)x + g0 * k * xbytes, k * xbytes, k, p, steps, sizes, tiles, acc);
             for (int64_t r = 0; r < g; r++) {
                 float *v = acc + r * NB;
                 if (bias)
@@ -836,16 +844,15 @@ static void add_rmsnorm_f32(float *x, const float *delta, const float *w, float 
 
 /* out [rows, inter] = silu(g) u, the gate g and the up projection u side by side in each row of
  * gu [rows, 2 inter]; silu(x) = x / (1 + e^-x) (exp8_ps's e^x, also for a last inter % 8). */
+static inline __m256 silu8(__m256 x) { return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), x)))); }
+
 static void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
-    const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
         for (int64_t j = 0; j < inter; j += F32_LANES) {
             const __m256i live = live8(inter - j);
-            const __m256 val = _mm256_maskload_ps(g + j, live);
-            const __m256 act = _mm256_div_ps(val, _mm256_add_ps(one, exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), val))));
-            _mm256_maskstore_ps(o + j, live, _mm256_mul_ps(act, _mm256_maskload_ps(u + j, live)));
+            _mm256_maskstore_ps(o + j, live, _mm256_mul_ps(silu8(_mm256_maskload_ps(g + j, live)), _mm256_maskload_ps(u + j, live)));
         }
     }
 }
@@ -875,7 +882,6 @@ static void product_glu_f32(const float *x, int64_t m, const float *panel, const
                             int64_t k, int threads) {
     const int64_t pairs = inter / NB;
     const size_t panel_bytes = (size_t)k * NB * sizeof(float);
-    const __m256 one = _mm256_set1_ps(1.0f);
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t b = 0; b < pairs; b++) {
         float acc[2][GROUP * NB];
@@ -883,14 +889,9 @@ static void product_glu_f32(const float *x, int64_t m, const float *panel, const
             int64_t g = m - g0 < GROUP ? m - g0 : GROUP;
             int sizes[GROUP];
             const int64_t tiles = split_rows(g, MR, sizes);
-            for (int half = 0; half < 2; half++) {
-                const char *p = (const char *)panel + (b + half * pairs) * panel_bytes;
-                for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                    int64_t k1 = k - k0 < KC ? k : k0 + KC;
-                    for (int64_t t = 0, row = 0; t < tiles; row += sizes[t++])
-                        BLOCK_F32[sizes[t]](x + (g0 + row) * k, k, p, k0, k1, acc[half] + row * NB);
-                }
-            }
+            for (int half = 0; half < 2; half++)
+                panel_sums(BLOCK_F32, (const char *)(x + g0 * k), k * sizeof(float), k,
+                           (const char *)panel + (b + half * pairs) * panel_bytes, k, sizes, tiles, acc[half]);
             for (int64_t r = 0; r < g; r++) {
                 float *gate = acc[0] + r * NB, *up = acc[1] + r * NB;
                 if (bias)
@@ -899,11 +900,8 @@ static void product_glu_f32(const float *x, int64_t m, const float *panel, const
                         up[j] += bias[inter + b * NB + j];
                     }
                 float *o = mid + (g0 + r) * inter + b * NB;
-                for (int j = 0; j < NB; j += F32_LANES) {
-                    const __m256 val = _mm256_loadu_ps(gate + j);
-                    const __m256 act = _mm256_div_ps(val, _mm256_add_ps(one, exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), val))));
-                    _mm256_storeu_ps(o + j, _mm256_mul_ps(act, _mm256_loadu_ps(up + j)));
-                }
+                for (int j = 0; j < NB; j += F32_LANES)
+                    _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + j)), _mm256_loadu_ps(up + j)));
             }
         }
     }
